@@ -1,0 +1,75 @@
+"""trainbus.engine: the event bus, the loop, State and Control. Knows no feature.
+
+Public API::
+
+    from trainbus.engine import Engine, Event, Plugin, Priority, State, Control
+"""
+
+from .bus import EventBus, Handle, Priority
+from .errors import ConfigError, HandlerError, TrainbusError
+from .events import (
+    BackwardEndEvent,
+    BatchStartEvent,
+    BeforeOptimizerStepEvent,
+    EpochEndEvent,
+    EpochStartEvent,
+    EvalBatchEndEvent,
+    EvalEndEvent,
+    EvalStartEvent,
+    Event,
+    EventType,
+    LogEvent,
+    LossEvent,
+    OptimizerStepEvent,
+    Payload,
+    PredictBatchEndEvent,
+    PredictEndEvent,
+    PredictStartEvent,
+    SaveEvent,
+    StepEndEvent,
+    StepStartEvent,
+    TrainEndEvent,
+    TrainStartEvent,
+)
+from .filters import EventFilter, FilteredEvent
+from .loop import Engine, data_length
+from .plugin import Plugin
+from .state import Control, State
+
+__all__ = [
+    "BackwardEndEvent",
+    "BatchStartEvent",
+    "BeforeOptimizerStepEvent",
+    "ConfigError",
+    "Control",
+    "Engine",
+    "EpochEndEvent",
+    "EpochStartEvent",
+    "EvalBatchEndEvent",
+    "EvalEndEvent",
+    "EvalStartEvent",
+    "Event",
+    "EventBus",
+    "EventFilter",
+    "EventType",
+    "FilteredEvent",
+    "Handle",
+    "HandlerError",
+    "LogEvent",
+    "LossEvent",
+    "OptimizerStepEvent",
+    "Payload",
+    "Plugin",
+    "PredictBatchEndEvent",
+    "PredictEndEvent",
+    "PredictStartEvent",
+    "Priority",
+    "SaveEvent",
+    "State",
+    "StepEndEvent",
+    "StepStartEvent",
+    "TrainEndEvent",
+    "TrainStartEvent",
+    "TrainbusError",
+    "data_length",
+]

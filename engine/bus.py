@@ -1,0 +1,184 @@
+"""The event bus: registration, ordering, filters, removable handles, dispatch, trace.
+
+Ordering rule (the only one): higher ``priority`` runs first; equal priorities run in
+registration order. Use the ``Priority`` constants so plugins agree on phases.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from .errors import ConfigError, HandlerError, StopTraining
+from .events import Event, EventType, P, event_by_name
+from .filters import EventFilter, FilteredEvent
+
+logger = logging.getLogger("trainbus.engine")
+
+Handler = Callable[[P], None]
+
+
+class Priority:
+    """Conventional priorities. Producers fill a payload before consumers read it."""
+
+    FIRST = 1000  # state keepers that others read (e.g. AMP unscale before clipping)
+    PRODUCER = 100  # handlers that add to a payload (loss/lr into logs, metrics into eval results)
+    DEFAULT = 0
+    CONSUMER = -100  # handlers that read a finished payload (sinks, early stopping, checkpoint)
+    LAST = -1000
+
+
+class _Record:
+    __slots__ = ("event", "filter", "fn", "name", "priority", "seq")
+
+    def __init__(
+        self,
+        event: EventType[Any],
+        fn: Callable[[Any], None],
+        flt: EventFilter | None,
+        priority: int,
+        name: str,
+        seq: int,
+    ) -> None:
+        self.event = event
+        self.fn = fn
+        self.filter = flt
+        self.priority = priority
+        self.name = name
+        self.seq = seq
+
+
+class Handle:
+    """Returned by ``on``; ``remove()`` unregisters the handler. Also a context manager."""
+
+    __slots__ = ("_bus", "_record")
+
+    def __init__(self, bus: EventBus, record: _Record) -> None:
+        self._bus = bus
+        self._record = record
+
+    @property
+    def name(self) -> str:
+        return self._record.name
+
+    @property
+    def active(self) -> bool:
+        return self._record in self._bus._handlers[self._record.event.index]
+
+    def remove(self) -> None:
+        """Unregister; calling it again does nothing."""
+        self._bus._remove(self._record)
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.remove()
+
+
+def handler_name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", repr(fn)))
+
+
+class EventBus:
+    """Holds handlers per event and dispatches payloads to them.
+
+    Example:
+        >>> from trainbus.engine import EventBus, Event
+        >>> bus = EventBus()
+        >>> seen = []
+        >>> handle = bus.on(Event.STEP_END(every=2), lambda ev: seen.append(bus.counts["STEP_END"]))
+        >>> for _ in range(5):
+        ...     bus.fire(Event.STEP_END, None)
+        >>> seen
+        [2, 4]
+    """
+
+    def __init__(self) -> None:
+        self._handlers: list[tuple[_Record, ...]] = [() for _ in Event.ALL]
+        self._seq = itertools.count()
+        self.counts: dict[str, int] = {}
+        self.trace: list[tuple[str, str]] | None = None
+
+    # -- registration -------------------------------------------------------------------------
+    def on(
+        self,
+        event: EventType[P] | FilteredEvent[P] | str,
+        handler: Callable[[P], None],
+        *,
+        priority: int = Priority.DEFAULT,
+        name: str | None = None,
+    ) -> Handle:
+        """Register ``handler`` for ``event`` (an Event, a filtered event, or an event name)."""
+        flt: EventFilter | None = None
+        if isinstance(event, str):
+            event = event_by_name(event)
+        if isinstance(event, FilteredEvent):
+            flt = event.filter
+            event = event.event
+        if not isinstance(event, EventType):
+            raise ConfigError(
+                f"cannot register a handler for {event!r}: expected an Event (one of {', '.join(Event.BY_NAME)})"
+            )
+        if not callable(handler):
+            raise ConfigError(f"handler for {event.name} must be callable, got {handler!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigError(f"priority must be an int, got {priority!r}")
+        record = _Record(event, handler, flt, priority, name or handler_name(handler), next(self._seq))
+        current = self._handlers[event.index] + (record,)
+        self._handlers[event.index] = tuple(sorted(current, key=lambda r: (-r.priority, r.seq)))
+        return Handle(self, record)
+
+    def _remove(self, record: _Record) -> None:
+        current = self._handlers[record.event.index]
+        if record in current:
+            self._handlers[record.event.index] = tuple(r for r in current if r is not record)
+
+    def has_handlers(self, event: EventType[Any]) -> bool:
+        return bool(self._handlers[event.index])
+
+    def handler_names(self, event: EventType[Any]) -> list[str]:
+        """Names of the handlers of ``event`` in the order they run."""
+        return [r.name for r in self._handlers[event.index]]
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def count(self, event: EventType[Any]) -> int:
+        """Advance and return the occurrence number of ``event`` (what filters see)."""
+        n = self.counts.get(event.name, 0) + 1
+        self.counts[event.name] = n
+        return n
+
+    def fire(self, event: EventType[P], payload: P) -> None:
+        """Count one occurrence of ``event`` and run its handlers in order.
+
+        A handler's exception is re-raised as HandlerError naming the handler and the event;
+        StopTraining and KeyboardInterrupt pass through unchanged.
+        """
+        n = self.count(event)
+        self.dispatch(event, payload, n)
+
+    def dispatch(self, event: EventType[P], payload: P, n: int) -> None:
+        """Run the handlers of an occurrence already counted (the loop counts even with no handler)."""
+        trace = self.trace
+        for record in self._handlers[event.index]:
+            if record.filter is not None and not record.filter(n, payload):
+                continue
+            if trace is not None:
+                trace.append((event.name, record.name))
+                logger.debug("%s -> %s", event.name, record.name)
+            try:
+                record.fn(payload)
+            except (StopTraining, HandlerError):
+                raise
+            except Exception as exc:
+                raise HandlerError(record.name, event.name, exc) from exc
+
+    def enable_trace(self) -> list[tuple[str, str]]:
+        """Record (event, handler) for every handler call from now on; returns the list."""
+        self.trace = []
+        return self.trace

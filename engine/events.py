@@ -1,0 +1,239 @@
+"""The typed events of the loop and their payloads.
+
+Where each event fires (one optimizer step over a window of k micro-batches)::
+
+    TRAIN_START  SIDE*                      SIDE = LOG | EVAL_START EVAL_BATCH_END* EVAL_END | SAVE
+      EPOCH_START
+        STEP_START                          payload.batches: the window, fetched up front
+          for each micro-batch of the window:
+            BATCH_START                     a handler may replace payload.batch
+            [to_device, forward, compute_loss hooks]
+            LOSS                            a handler may replace payload.loss
+            [backward hook]
+            BACKWARD_END
+        BEFORE_OPTIMIZER_STEP               gradients complete; payload.skip = True vetoes the step
+        [optimizer_step hook]               returns False when it skipped (AMP overflow)
+        OPTIMIZER_STEP                      only when the optimizer really stepped
+        STEP_END                            global_step advanced; flow plugins set Control flags
+        SIDE*                               acted on in the order LOG, EVAL, SAVE, then flags reset
+      EPOCH_END  SIDE*
+    TRAIN_END
+    evaluate(): EVAL_START EVAL_BATCH_END* EVAL_END (payload.metrics)
+    predict():  PREDICT_START PREDICT_BATCH_END* PREDICT_END (payload.output)
+
+Each ``EventType`` carries its payload class, so ``engine.on(Event.LOSS, fn)`` type-checks ``fn``
+against ``LossEvent``. Calling an event makes a filtered event: ``Event.STEP_END(every=100)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from .filters import EventFilter, FilteredEvent
+    from .loop import Engine
+
+P = TypeVar("P", bound="Payload")
+
+
+class EventType(Generic[P]):
+    """One event of the loop. Compare by identity; ``name`` is for messages and traces."""
+
+    __slots__ = ("index", "name", "payload_type")
+
+    def __init__(self, name: str, payload_type: type[P], index: int) -> None:
+        self.name = name
+        self.payload_type = payload_type
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"Event.{self.name}"
+
+    def __call__(
+        self,
+        *,
+        every: int | None = None,
+        once: int | None = None,
+        before: int | None = None,
+        after: int | None = None,
+        when: Callable[[P], bool] | None = None,
+    ) -> FilteredEvent[P]:
+        """A filtered view of this event: fire the handler only on some occurrences.
+
+        Occurrences are counted per engine from 1 (``state.event_counts``, checkpointed), so
+        ``every=100`` on STEP_END means steps 100, 200, ... also across a resume.
+        """
+        from .filters import EventFilter, FilteredEvent
+
+        return FilteredEvent(self, EventFilter.make(every=every, once=once, before=before, after=after, when=when))
+
+    def filtered(self, flt: EventFilter) -> FilteredEvent[P]:
+        from .filters import FilteredEvent
+
+        return FilteredEvent(self, flt)
+
+
+@dataclass(eq=False)
+class Payload:
+    """Base of every payload: the engine that fired the event."""
+
+    engine: Engine
+
+
+@dataclass(eq=False)
+class TrainStartEvent(Payload):
+    pass
+
+
+@dataclass(eq=False)
+class TrainEndEvent(Payload):
+    pass
+
+
+@dataclass(eq=False)
+class EpochStartEvent(Payload):
+    epoch: int  # 0-based index of the epoch that starts
+
+
+@dataclass(eq=False)
+class EpochEndEvent(Payload):
+    epoch: int
+
+
+@dataclass(eq=False)
+class StepStartEvent(Payload):
+    batches: list[Any]  # the window's micro-batches, as the data loader gave them
+
+
+@dataclass(eq=False)
+class BatchStartEvent(Payload):
+    batch: Any  # replaceable
+    micro_index: int  # position in the window, 0-based
+    window_size: int
+
+
+@dataclass(eq=False)
+class LossEvent(Payload):
+    batch: Any  # the batch after to_device
+    outputs: Any
+    loss: Any  # a scalar tensor; replaceable
+    micro_index: int
+    window_size: int
+
+
+@dataclass(eq=False)
+class BackwardEndEvent(Payload):
+    loss: Any
+    micro_index: int
+    window_size: int
+
+
+@dataclass(eq=False)
+class BeforeOptimizerStepEvent(Payload):
+    skip: bool = False  # a handler sets True to veto this optimizer step
+
+
+@dataclass(eq=False)
+class OptimizerStepEvent(Payload):
+    pass
+
+
+@dataclass(eq=False)
+class StepEndEvent(Payload):
+    stepped: bool  # False when the optimizer step was vetoed or skipped
+
+
+@dataclass(eq=False)
+class LogEvent(Payload):
+    logs: dict[str, float]  # mutable: producers add values, sinks write them
+    window: bool  # True when fired by the loop at a logging point; False for engine.log(...)
+
+
+@dataclass(eq=False)
+class EvalStartEvent(Payload):
+    dataloader: Any
+    prefix: str  # metric key prefix, e.g. "eval" or "eval_valid"
+
+
+@dataclass(eq=False)
+class EvalBatchEndEvent(Payload):
+    batch: Any
+    loss: Any  # tensor or None
+    logits: Any  # tensor / tuple or None
+    labels: Any  # tensor / tuple or None
+    prefix: str
+
+
+@dataclass(eq=False)
+class EvalEndEvent(Payload):
+    metrics: dict[str, Any]  # mutable: metric plugins fill it; evaluate() returns it
+    prefix: str
+
+
+@dataclass(eq=False)
+class SaveEvent(Payload):
+    pass
+
+
+@dataclass(eq=False)
+class PredictStartEvent(Payload):
+    dataloader: Any
+
+
+@dataclass(eq=False)
+class PredictBatchEndEvent(Payload):
+    batch: Any
+    loss: Any
+    logits: Any
+    labels: Any
+
+
+@dataclass(eq=False)
+class PredictEndEvent(Payload):
+    output: Any = None  # set by a collecting plugin; predict() returns it
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Event:
+    """The namespace of all events. ``Event.ALL`` lists them in loop order."""
+
+    TRAIN_START = EventType("TRAIN_START", TrainStartEvent, 0)
+    EPOCH_START = EventType("EPOCH_START", EpochStartEvent, 1)
+    STEP_START = EventType("STEP_START", StepStartEvent, 2)
+    BATCH_START = EventType("BATCH_START", BatchStartEvent, 3)
+    LOSS = EventType("LOSS", LossEvent, 4)
+    BACKWARD_END = EventType("BACKWARD_END", BackwardEndEvent, 5)
+    BEFORE_OPTIMIZER_STEP = EventType("BEFORE_OPTIMIZER_STEP", BeforeOptimizerStepEvent, 6)
+    OPTIMIZER_STEP = EventType("OPTIMIZER_STEP", OptimizerStepEvent, 7)
+    STEP_END = EventType("STEP_END", StepEndEvent, 8)
+    LOG = EventType("LOG", LogEvent, 9)
+    EVAL_START = EventType("EVAL_START", EvalStartEvent, 10)
+    EVAL_BATCH_END = EventType("EVAL_BATCH_END", EvalBatchEndEvent, 11)
+    EVAL_END = EventType("EVAL_END", EvalEndEvent, 12)
+    SAVE = EventType("SAVE", SaveEvent, 13)
+    EPOCH_END = EventType("EPOCH_END", EpochEndEvent, 14)
+    TRAIN_END = EventType("TRAIN_END", TrainEndEvent, 15)
+    PREDICT_START = EventType("PREDICT_START", PredictStartEvent, 16)
+    PREDICT_BATCH_END = EventType("PREDICT_BATCH_END", PredictBatchEndEvent, 17)
+    PREDICT_END = EventType("PREDICT_END", PredictEndEvent, 18)
+
+    ALL: ClassVar[tuple[EventType[Any], ...]] = ()
+    BY_NAME: ClassVar[dict[str, EventType[Any]]] = {}
+
+
+Event.ALL = tuple(sorted((v for v in vars(Event).values() if isinstance(v, EventType)), key=lambda e: e.index))
+Event.BY_NAME = {e.name: e for e in Event.ALL}
+
+
+def event_by_name(name: str) -> EventType[Any]:
+    """Look an event up by name (case-insensitive); unknown names list the allowed ones."""
+    from .errors import ConfigError, suggest
+
+    found = Event.BY_NAME.get(name.upper())
+    if found is None:
+        raise ConfigError(
+            f"unknown event {name!r}{suggest(name.upper(), Event.BY_NAME)}; known events: {', '.join(Event.BY_NAME)}"
+        )
+    return found

@@ -1,0 +1,466 @@
+"""The Engine: fit / evaluate / predict over micro-batch windows, firing typed events.
+
+The engine knows no feature. It groups micro-batches into windows of ``accumulation_steps``
+(set by an accumulation plugin; 1 by default), calls the step functions in ``engine.hooks``,
+fires the events of ``events.py`` and acts on ``Control`` at the points documented there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from trainbus.hooks import Hooks, loss_with
+
+from .bus import EventBus, Handle, Priority
+from .errors import ConfigError, check_positive_int, suggest
+from .events import (
+    BackwardEndEvent,
+    BatchStartEvent,
+    BeforeOptimizerStepEvent,
+    EpochEndEvent,
+    EpochStartEvent,
+    EvalBatchEndEvent,
+    EvalEndEvent,
+    EvalStartEvent,
+    Event,
+    EventType,
+    LogEvent,
+    LossEvent,
+    OptimizerStepEvent,
+    P,
+    PredictBatchEndEvent,
+    PredictEndEvent,
+    PredictStartEvent,
+    SaveEvent,
+    StepEndEvent,
+    StepStartEvent,
+    TrainEndEvent,
+    TrainStartEvent,
+)
+from .filters import FilteredEvent
+from .plugin import Plugin
+from .state import Control, State
+
+HookWrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def data_length(data: Any) -> int | None:
+    """len(data), or None for data without a length (iterable datasets, generators)."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+class Engine:
+    """A training loop that fires events; features are plugins.
+
+    Args:
+        model: the ``torch.nn.Module`` to train.
+        optimizer: its optimizer (may be set later, before ``fit``; an optimizer plugin may set it).
+        train_data: an iterable of batches (a DataLoader); required by ``fit``.
+        eval_data: an iterable of batches, or a dict of named ones, for ``evaluate``.
+        max_epochs: epochs to train; ignored when ``max_steps`` is given.
+        max_steps: optimizer steps (windows) to train; wins over ``max_epochs`` as in HF.
+        loss_fn: ``loss_fn(prediction, labels)``, e.g. ``nn.CrossEntropyLoss()``; without it the
+            model's own loss (``outputs.loss`` / ``outputs[0]``) is used.
+        hooks: replacement step functions (see ``trainbus.hooks.Hooks``).
+        plugins: plugins to attach, in order.
+        device: where batches go; defaults to the model's device.
+        label_names: batch keys holding labels.
+        trace: record (event, handler) for every handler call in ``engine.bus.trace``.
+
+    Example:
+        >>> import torch
+        >>> from trainbus.engine import Engine, Event
+        >>> model = torch.nn.Linear(3, 1)
+        >>> data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(5)]
+        >>> engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=data,
+        ...                 max_epochs=2, loss_fn=torch.nn.MSELoss())
+        >>> steps = []
+        >>> _ = engine.on(Event.STEP_END, lambda ev: steps.append(ev.engine.state.global_step))
+        >>> engine.fit().global_step, steps[-1]
+        (10, 10)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        train_data: Iterable[Any] | None = None,
+        eval_data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None,
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        hooks: Hooks | None = None,
+        plugins: Sequence[Plugin] = (),
+        device: torch.device | str | None = None,
+        label_names: Sequence[str] = ("labels",),
+        trace: bool = False,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_positive_int("max_epochs", max_epochs, allow_none=True)
+        check_positive_int("max_steps", max_steps, allow_none=True)
+        if hooks is not None and not isinstance(hooks, Hooks):
+            raise ConfigError(f"hooks must be a trainbus.hooks.Hooks, got {type(hooks).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.max_epochs = max_epochs
+        self.max_steps = max_steps
+        self.label_names = tuple(label_names)
+        self.train_data = train_data
+        self.eval_data = eval_data
+        if device is None:
+            first = next(itertools.chain(model.parameters(), model.buffers()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        base = hooks or Hooks()
+        if loss_fn is not None:
+            base = replace(base, compute_loss=loss_with(loss_fn, self.label_names))
+        self._base_hooks = base
+        self._wrappers: list[tuple[object, str, HookWrapper]] = []
+        self.hooks = replace(base)
+        self.bus = EventBus()
+        self.state = State()
+        self.control = Control()
+        self._accumulation_steps = 1
+        #: values plugins publish for the current step (e.g. "grad_norm" as a device tensor);
+        #: cleared at every STEP_START, read by loggers at STEP_END / LOG without a host sync
+        self.step_outputs: dict[str, Any] = {}
+        self.plugins: list[Plugin] = []
+        if trace:
+            self.bus.enable_trace()
+        for plugin in plugins:
+            self.add_plugin(plugin)
+
+    # -- configuration -------------------------------------------------------------------------
+    @property
+    def train_data(self) -> Iterable[Any] | None:
+        return self._train_data
+
+    @train_data.setter
+    def train_data(self, data: Iterable[Any] | None) -> None:
+        if data is not None:
+            length = data_length(data)
+            if length == 0:
+                raise ConfigError("train_data is empty (length 0); it must yield at least one batch")
+            if length is None and self.max_steps is None:
+                raise ConfigError("train_data has no length (an iterable dataset): set max_steps")
+            if self.max_epochs is None and self.max_steps is None:
+                raise ConfigError("set max_epochs or max_steps: both are missing, so the run has no end")
+        self._train_data = data
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @state.setter
+    def state(self, state: State) -> None:
+        self._state = state
+        self.bus.counts = state.event_counts  # filters count occurrences in the state, so they survive a resume
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the window size). Set by an accumulation plugin."""
+        return self._accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, k: int) -> None:
+        check_positive_int("accumulation_steps", k)
+        self._accumulation_steps = k
+
+    # -- handlers ------------------------------------------------------------------------------
+    def on(
+        self,
+        event: EventType[P] | FilteredEvent[P] | str,
+        handler: Callable[[P], None],
+        *,
+        priority: int = Priority.DEFAULT,
+        name: str | None = None,
+    ) -> Handle:
+        """Register a handler; returns a handle whose ``remove()`` unregisters it."""
+        return self.bus.on(event, handler, priority=priority, name=name)
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def set_hook(self, name: str, fn: Callable[..., Any]) -> None:
+        """Replace the base step function ``name``; wrappers from plugins stay around it."""
+        self._check_hook_name(name)
+        self._base_hooks = replace(self._base_hooks, **{name: fn})
+        self._compose_hooks()
+
+    def wrap_hook(self, name: str, wrapper: HookWrapper) -> object:
+        """Wrap hook ``name``: ``wrapper(inner) -> outer``. Later wrappers sit outside earlier ones.
+
+        Returns a token for ``unwrap_hook``. Removing a middle wrapper keeps the others intact.
+        """
+        self._check_hook_name(name)
+        token = object()
+        self._wrappers.append((token, name, wrapper))
+        self._compose_hooks()
+        return token
+
+    def unwrap_hook(self, token: object) -> None:
+        self._wrappers = [w for w in self._wrappers if w[0] is not token]
+        self._compose_hooks()
+
+    def _check_hook_name(self, name: str) -> None:
+        if name not in Hooks.names():
+            raise ConfigError(f"unknown hook {name!r}{suggest(name, Hooks.names())}; hooks: {', '.join(Hooks.names())}")
+
+    def _compose_hooks(self) -> None:
+        hooks = replace(self._base_hooks)
+        for _token, name, wrapper in self._wrappers:
+            setattr(hooks, name, wrapper(getattr(hooks, name)))
+        self.hooks = hooks
+
+    # -- plugins -------------------------------------------------------------------------------
+    def add_plugin(self, plugin: Plugin) -> Plugin:
+        """Attach ``plugin``; its name must be unique in this engine."""
+        if not isinstance(plugin, Plugin):
+            raise ConfigError(f"expected a trainbus Plugin, got {type(plugin).__name__}")
+        if any(p.name == plugin.name for p in self.plugins):
+            raise ConfigError(f"a plugin named {plugin.name!r} is already attached; give the new one another name")
+        plugin.attach(self)
+        self.plugins.append(plugin)
+        return plugin
+
+    def get_plugin(self, which: type[Plugin] | str) -> Plugin | None:
+        """The first attached plugin of that class (or subclass) or name, else None."""
+        for plugin in self.plugins:
+            if (isinstance(which, str) and plugin.name == which) or (
+                isinstance(which, type) and isinstance(plugin, which)
+            ):
+                return plugin
+        return None
+
+    def pop_plugin(self, which: Plugin | type[Plugin] | str) -> Plugin | None:
+        """Detach and return a plugin given as instance, class or name; None when absent."""
+        plugin = which if isinstance(which, Plugin) else self.get_plugin(which)
+        if plugin is None or plugin not in self.plugins:
+            return None
+        plugin.detach(self)
+        self.plugins.remove(plugin)
+        return plugin
+
+    def remove_plugin(self, which: Plugin | type[Plugin] | str) -> None:
+        self.pop_plugin(which)
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The run's state and every plugin's state, keyed by plugin name."""
+        return {"state": self.state.to_dict(), "plugins": {p.name: p.state_dict() for p in self.plugins}}
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        missing = [name for name in data.get("plugins", {}) if self.get_plugin(name) is None]
+        if missing:
+            attached = [p.name for p in self.plugins]
+            raise ConfigError(f"state has plugins {missing} that this engine lacks; attached plugins: {attached}")
+        self.state = State.from_dict(dict(data["state"]))
+        for name, plugin_state in data.get("plugins", {}).items():
+            plugin = self.get_plugin(name)
+            assert plugin is not None
+            plugin.load_state_dict(plugin_state)
+
+    # -- firing --------------------------------------------------------------------------------
+    def _fire(self, event: EventType[P], make: Callable[[], P]) -> P | None:
+        """Count the occurrence; build the payload and dispatch only when someone listens."""
+        bus = self.bus
+        n = bus.count(event)
+        if not bus.has_handlers(event):
+            return None
+        payload = make()
+        bus.dispatch(event, payload, n)
+        return payload
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Emit a log record (HF ``Trainer.log``): fires LOG with ``window=False``."""
+        self._fire(Event.LOG, lambda: LogEvent(self, logs, False))
+
+    def _side_effects(self) -> None:
+        """Act on the Control flags in the order LOG, EVAL, SAVE; each is reset before it runs."""
+        control = self.control
+        if control.should_log:
+            control.should_log = False
+            self._fire(Event.LOG, lambda: LogEvent(self, {}, True))
+        if control.should_evaluate:
+            control.should_evaluate = False
+            self.evaluate()
+        if control.should_save:
+            control.should_save = False
+            self._fire(Event.SAVE, lambda: SaveEvent(self))
+
+    # -- fit -----------------------------------------------------------------------------------
+    def _plan(self) -> tuple[int, int | None, float]:
+        """(max_steps, steps_per_epoch or None, number of epochs or inf)."""
+        k = self.accumulation_steps
+        n_batches = data_length(self.train_data)
+        steps_per_epoch = None if n_batches is None else math.ceil(n_batches / k)
+        if self.max_steps is not None:
+            return self.max_steps, steps_per_epoch, math.inf
+        assert self.max_epochs is not None and steps_per_epoch is not None  # checked by the train_data setter
+        return self.max_epochs * steps_per_epoch, steps_per_epoch, self.max_epochs
+
+    def fit(self) -> State:
+        """Train until max_steps / max_epochs or a stop request; returns the state.
+
+        Starting from a state with ``global_step > 0`` (a resume) continues where it stopped:
+        the epoch ``state.epochs_completed`` from batch ``state.batches_in_epoch``.
+        """
+        if self.train_data is None:
+            raise ConfigError("fit() needs train_data: pass it to the Engine")
+        if self.optimizer is None:
+            raise ConfigError("fit() needs an optimizer: pass it to the Engine or add an optimizer plugin")
+        # re-validate: plugins may have changed accumulation or limits since construction
+        self.train_data = self.train_data
+        state, control, hooks = self.state, self.control, self.hooks
+        max_steps, steps_per_epoch, num_epochs = self._plan()
+        state.max_steps = max_steps
+        state.steps_per_epoch = steps_per_epoch
+        state.num_train_epochs = (
+            int(num_epochs) if num_epochs != math.inf else math.ceil(max_steps / (steps_per_epoch or max_steps))
+        )
+        control.should_training_stop = False
+        self.model.train()
+        hooks.zero_grad(self.optimizer)
+        self._fire(Event.TRAIN_START, lambda: TrainStartEvent(self))
+        self._side_effects()
+        while (
+            state.epochs_completed < num_epochs and state.global_step < max_steps and not control.should_training_stop
+        ):
+            self._run_epoch(max_steps, steps_per_epoch)
+        self._fire(Event.TRAIN_END, lambda: TrainEndEvent(self))
+        return state
+
+    def _run_epoch(self, max_steps: int, steps_per_epoch: int | None) -> None:
+        state, control = self.state, self.control
+        epoch = state.epochs_completed
+        control.should_epoch_stop = False
+        self._fire(Event.EPOCH_START, lambda: EpochStartEvent(self, epoch))
+        assert self.train_data is not None
+        batches = self.hooks.epoch_iterator(self.train_data, epoch, state.batches_in_epoch)
+        k = self.accumulation_steps
+        exhausted = False
+        while True:
+            window = list(itertools.islice(batches, k))
+            if not window:
+                exhausted = True
+                break
+            self._train_window(window, steps_per_epoch)
+            self._side_effects()
+            if control.should_training_stop or control.should_epoch_stop or state.global_step >= max_steps:
+                break
+        if exhausted and state.batches_in_epoch == 0:
+            raise ConfigError(f"train_data yielded no batches in epoch {epoch}")
+        finished = (
+            exhausted
+            or control.should_epoch_stop
+            or (steps_per_epoch is not None and state.epoch_step >= steps_per_epoch)
+        )
+        if finished:
+            state.epochs_completed += 1
+            state.epoch = float(state.epochs_completed)
+            state.batches_in_epoch = 0
+            state.epoch_step = 0
+        self._fire(Event.EPOCH_END, lambda: EpochEndEvent(self, epoch))
+        self._side_effects()
+
+    def _train_window(self, window: list[Any], steps_per_epoch: int | None) -> None:
+        """One optimizer step over the micro-batches of ``window``."""
+        hooks, model, state, optimizer = self.hooks, self.model, self.state, self.optimizer
+        assert optimizer is not None
+        size = len(window)
+        self.step_outputs.clear()
+        self._fire(Event.STEP_START, lambda: StepStartEvent(self, window))
+        try:
+            for i, batch in enumerate(window):
+                started = self._fire(Event.BATCH_START, lambda: BatchStartEvent(self, batch, i, size))
+                if started is not None:
+                    batch = started.batch
+                batch = hooks.to_device(batch, self.device)
+                outputs = hooks.forward(model, batch)
+                loss = hooks.compute_loss(outputs, batch)
+                scored = self._fire(Event.LOSS, lambda: LossEvent(self, batch, outputs, loss, i, size))
+                if scored is not None:
+                    loss = scored.loss
+                hooks.backward(loss)
+                self._fire(Event.BACKWARD_END, lambda: BackwardEndEvent(self, loss, i, size))
+            check = BeforeOptimizerStepEvent(self)
+            self.bus.dispatch(Event.BEFORE_OPTIMIZER_STEP, check, self.bus.count(Event.BEFORE_OPTIMIZER_STEP))
+            stepped = False if check.skip else hooks.optimizer_step(optimizer)
+            if stepped:
+                state.optimizer_steps_taken += 1
+                self._fire(Event.OPTIMIZER_STEP, lambda: OptimizerStepEvent(self))
+        finally:
+            # a failed window leaves no half-accumulated gradients behind
+            hooks.zero_grad(optimizer)
+        state.global_step += 1
+        state.epoch_step += 1
+        state.batches_in_epoch += size
+        if steps_per_epoch:
+            state.epoch = state.epochs_completed + state.epoch_step / steps_per_epoch
+        self._fire(Event.STEP_END, lambda: StepEndEvent(self, stepped))
+
+    # -- evaluate / predict --------------------------------------------------------------------
+    def evaluate(self, data: Any = None, *, prefix: str = "eval") -> dict[str, Any]:
+        """Run the eval loop; returns the metrics that EVAL_END handlers put in the payload.
+
+        ``data`` (default ``eval_data``) may be a dict of named sets: each runs with prefix
+        ``{prefix}_{name}`` and the results are merged.
+        """
+        data = self.eval_data if data is None else data
+        if data is None:
+            raise ConfigError("evaluate() needs data: pass eval_data to the Engine or data to evaluate()")
+        if isinstance(data, Mapping):
+            metrics: dict[str, Any] = {}
+            for name, subset in data.items():
+                metrics.update(self._evaluate_one(subset, f"{prefix}_{name}"))
+            return metrics
+        return self._evaluate_one(data, prefix)
+
+    def _evaluate_one(self, data: Iterable[Any], prefix: str) -> dict[str, Any]:
+        hooks, model = self.hooks, self.model
+        was_training = model.training
+        model.eval()
+        try:
+            self._fire(Event.EVAL_START, lambda: EvalStartEvent(self, data, prefix))
+            with torch.inference_mode():
+                for batch in data:
+                    batch = hooks.to_device(batch, self.device)
+                    loss, logits, labels = hooks.prediction_step(
+                        model, batch, hooks.forward, hooks.compute_loss, self.label_names
+                    )
+                    self._fire(
+                        Event.EVAL_BATCH_END, lambda: EvalBatchEndEvent(self, batch, loss, logits, labels, prefix)
+                    )
+            end = EvalEndEvent(self, {}, prefix)
+            self.bus.dispatch(Event.EVAL_END, end, self.bus.count(Event.EVAL_END))
+        finally:
+            model.train(was_training)
+        return end.metrics
+
+    def predict(self, data: Iterable[Any]) -> Any:
+        """Run the prediction loop; returns what PREDICT_END handlers put in ``payload.output``."""
+        hooks, model = self.hooks, self.model
+        was_training = model.training
+        model.eval()
+        try:
+            self._fire(Event.PREDICT_START, lambda: PredictStartEvent(self, data))
+            with torch.inference_mode():
+                for batch in data:
+                    batch = hooks.to_device(batch, self.device)
+                    loss, logits, labels = hooks.prediction_step(
+                        model, batch, hooks.forward, hooks.compute_loss, self.label_names
+                    )
+                    self._fire(Event.PREDICT_BATCH_END, lambda: PredictBatchEndEvent(self, batch, loss, logits, labels))
+            end = PredictEndEvent(self)
+            self.bus.dispatch(Event.PREDICT_END, end, self.bus.count(Event.PREDICT_END))
+        finally:
+            model.train(was_training)
+        return end.output

@@ -1,0 +1,91 @@
+"""The plugin base: a named object that registers handlers and wraps hooks, with state.
+
+A plugin's ``attach(engine)`` registers what it needs through ``self.on`` and ``self.wrap_hook``;
+the engine calls ``detach`` on removal, which undoes exactly those registrations. Its
+``state_dict`` is saved with every checkpoint under ``name``, which must be unique in an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .bus import Handle, Priority
+from .events import EventType, P
+from .filters import FilteredEvent
+
+if TYPE_CHECKING:
+    from .loop import Engine
+
+
+class Plugin:
+    """Base class of features. Subclasses override ``attach`` and, when stateful, the state methods.
+
+    Example:
+        >>> from trainbus.engine import Plugin, Event
+        >>> class CountSteps(Plugin):
+        ...     def __init__(self):
+        ...         self.steps = 0
+        ...     def attach(self, engine):
+        ...         self.on(engine, Event.STEP_END, self.step_end)
+        ...     def step_end(self, ev):
+        ...         self.steps += 1
+        ...     def state_dict(self):
+        ...         return {"steps": self.steps}
+        ...     def load_state_dict(self, state):
+        ...         self.steps = state["steps"]
+    """
+
+    #: default priority of this plugin's handlers (see ``Priority``)
+    priority: int = Priority.DEFAULT
+
+    @property
+    def name(self) -> str:
+        """Unique key of this plugin in an engine and in checkpoints; defaults to the class name."""
+        return str(self.__dict__.get("_plugin_name") or type(self).__name__)
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.__dict__["_plugin_name"] = value
+
+    def attach(self, engine: Engine) -> None:
+        """Register handlers and hook wrappers on ``engine``. Default: nothing."""
+
+    def detach(self, engine: Engine) -> None:
+        """Undo every registration made through ``on`` and ``wrap_hook``."""
+        for handle in self.__dict__.pop("_plugin_handles", []):
+            handle.remove()
+        for token in self.__dict__.pop("_plugin_wraps", []):
+            engine.unwrap_hook(token)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state (tensors are allowed: checkpoints put them in safetensors)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+
+    # -- helpers for attach ------------------------------------------------------------------
+    def on(
+        self,
+        engine: Engine,
+        event: EventType[P] | FilteredEvent[P],
+        handler: Callable[[P], None],
+        *,
+        priority: int | None = None,
+    ) -> Handle:
+        """Register ``handler`` and remember it for ``detach``; named ``<plugin>.<method>``."""
+        label = getattr(handler, "__name__", type(handler).__name__)
+        handle = engine.on(
+            event, handler, priority=self.priority if priority is None else priority, name=f"{self.name}.{label}"
+        )
+        self.__dict__.setdefault("_plugin_handles", []).append(handle)
+        return handle
+
+    def wrap_hook(
+        self, engine: Engine, hook: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]
+    ) -> object:
+        """Wrap one of ``engine.hooks`` (see ``Engine.wrap_hook``); undone by ``detach``."""
+        token = engine.wrap_hook(hook, wrapper)
+        self.__dict__.setdefault("_plugin_wraps", []).append(token)
+        return token

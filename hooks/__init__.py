@@ -1,0 +1,57 @@
+"""The functional pieces of a step, and the ``Hooks`` bundle the engine composes.
+
+``hooks/`` is a leaf: it imports torch only, never the engine. Replace a piece by giving the
+engine another function with the same signature::
+
+    engine = Engine(model, opt, train_data=loader, max_epochs=1,
+                    hooks=Hooks(compute_loss=my_loss))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from .batch import batch_size_of, get_labels, to_device
+from .data import epoch_iterator
+from .predict import prediction_step
+from .step import backward, compute_loss, forward, loss_from_outputs, loss_with, model_output, optimizer_step, zero_grad
+
+
+@dataclass
+class Hooks:
+    """The replaceable functions of the loop. Defaults are the functions of this package."""
+
+    to_device: Callable[[Any, torch.device | None], Any] = to_device
+    forward: Callable[[torch.nn.Module, Any], Any] = forward
+    compute_loss: Callable[[Any, Any], torch.Tensor] = compute_loss
+    backward: Callable[[torch.Tensor], None] = backward
+    optimizer_step: Callable[[torch.optim.Optimizer], bool] = optimizer_step
+    zero_grad: Callable[[torch.optim.Optimizer], None] = zero_grad
+    prediction_step: Callable[..., tuple[torch.Tensor | None, Any, Any]] = prediction_step
+    epoch_iterator: Callable[[Iterable[Any], int, int], Iterator[Any]] = epoch_iterator
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        return tuple(f.name for f in fields(Hooks))
+
+
+__all__ = [
+    "Hooks",
+    "backward",
+    "batch_size_of",
+    "compute_loss",
+    "epoch_iterator",
+    "forward",
+    "get_labels",
+    "loss_from_outputs",
+    "loss_with",
+    "model_output",
+    "optimizer_step",
+    "prediction_step",
+    "to_device",
+    "zero_grad",
+]

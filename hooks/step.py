@@ -1,0 +1,93 @@
+"""The default pieces of a training step: forward, loss, backward, optimizer step.
+
+Each is a plain function with explicit inputs and outputs; the engine calls whatever
+``engine.hooks`` holds, so a user replaces a piece by passing another function with the same
+signature, and a plugin wraps one (autocast around forward, a scaler around backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .batch import get_labels
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def forward(model: torch.nn.Module, batch: Any) -> Any:
+    """Call the model the way its batch is shaped.
+
+    dict -> ``model(**batch)``; (inputs, target) tuple/list -> ``model(inputs)``; longer tuples ->
+    ``model(*batch[:-1])``; anything else -> ``model(batch)``.
+    """
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, list | tuple) and not hasattr(batch, "_fields"):
+        if len(batch) == 2:
+            return model(batch[0])
+        if len(batch) > 2:
+            return model(*batch[:-1])
+    return model(batch)
+
+
+def loss_from_outputs(outputs: Any) -> torch.Tensor:
+    """The loss a model computed itself: ``outputs.loss``, ``outputs["loss"]``, ``outputs[0]``, or a scalar."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+    if loss is None and isinstance(outputs, list | tuple) and outputs and isinstance(outputs[0], torch.Tensor):
+        loss = outputs[0]
+    if loss is None and isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+        loss = outputs
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(
+            "could not find a scalar loss in the model outputs (looked at .loss, ['loss'], [0] and a scalar "
+            f"tensor; got {type(outputs).__name__}); pass a loss function, "
+            "e.g. Engine(..., loss_fn=nn.CrossEntropyLoss())"
+        )
+    return loss
+
+
+def model_output(outputs: Any) -> Any:
+    """The prediction part of model outputs: logits when named, else the first tensor."""
+    logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, Mapping):
+        logits = outputs.get("logits")
+    if logits is None and isinstance(outputs, list | tuple) and outputs:
+        logits = outputs[0]
+    return outputs if logits is None else logits
+
+
+def compute_loss(outputs: Any, batch: Any) -> torch.Tensor:
+    """Default loss: the loss the model returned (HF models compute it from ``labels``)."""
+    return loss_from_outputs(outputs)
+
+
+def loss_with(loss_fn: LossFn, label_names: tuple[str, ...] = ("labels",)) -> Callable[[Any, Any], torch.Tensor]:
+    """A compute_loss hook that applies ``loss_fn(prediction, labels)``, e.g. ``nn.CrossEntropyLoss()``."""
+
+    def compute_loss_with_fn(outputs: Any, batch: Any) -> torch.Tensor:
+        labels = get_labels(batch, label_names)
+        if labels is None:
+            raise ValueError(f"the batch has no labels (looked for {label_names} or a trailing tuple element)")
+        return loss_fn(model_output(outputs), labels)
+
+    compute_loss_with_fn.__qualname__ = f"loss_with({getattr(loss_fn, '__qualname__', type(loss_fn).__name__)})"
+    return compute_loss_with_fn
+
+
+def backward(loss: torch.Tensor) -> None:
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Step the optimizer; return whether it stepped (an AMP scaler may skip on overflow)."""
+    optimizer.step()
+    return True
+
+
+def zero_grad(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,1 @@
+"""trainbus.plugins: every feature, and the Hugging Face style facade."""
