@@ -1,0 +1,174 @@
+"""The event bus: filters, ordering, handles, errors (invariant 5 and issue 2's done-list)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trainbus.engine import ConfigError, Engine, Event, EventBus, EventFilter, HandlerError, Priority
+from trainbus.engine.testing import LoopConfig, toy_engine
+
+filter_args = st.fixed_dictionaries(
+    {},
+    optional={
+        "every": st.integers(1, 7),
+        "once": st.integers(1, 20),
+        "before": st.integers(0, 20),
+        "after": st.integers(0, 20),
+    },
+).filter(bool)
+
+
+def reference(
+    n: int, every: int | None = None, once: int | None = None, before: int | None = None, after: int | None = None
+) -> bool:
+    return (
+        (every is None or n % every == 0)
+        and (once is None or n == once)
+        and (before is None or n < before)
+        and (after is None or n > after)
+    )
+
+
+@given(filter_args, filter_args, st.integers(1, 30))
+def test_filters_fire_exactly_where_the_reference_predicate_says(
+    a: dict[str, int], b: dict[str, int], fires: int
+) -> None:
+    bus = EventBus()
+    seen_a: list[int] = []
+    seen_or: list[int] = []
+    seen_and: list[int] = []
+    bus.on(Event.STEP_END(**a), lambda ev: seen_a.append(bus.counts["STEP_END"]))
+    bus.on(Event.STEP_END(**a) | Event.STEP_END(**b), lambda ev: seen_or.append(bus.counts["STEP_END"]))
+    bus.on(Event.STEP_END(**a) & Event.STEP_END(**b), lambda ev: seen_and.append(bus.counts["STEP_END"]))
+    for _ in range(fires):
+        bus.fire(Event.STEP_END, None)
+    ns = range(1, fires + 1)
+    assert seen_a == [n for n in ns if reference(n, **a)]
+    assert seen_or == [n for n in ns if reference(n, **a) or reference(n, **b)]
+    assert seen_and == [n for n in ns if reference(n, **a) and reference(n, **b)]
+
+
+def test_predicate_filter_sees_the_payload() -> None:
+    config = LoopConfig(12, 2, 1, 2, None, None)
+    engine = toy_engine(config)
+    seen: list[int] = []
+    engine.on(
+        Event.STEP_END(when=lambda ev: ev.engine.state.global_step % 4 == 1),
+        lambda ev: seen.append(ev.engine.state.global_step),
+    )
+    engine.fit()
+    assert seen == [1, 5, 9]
+
+
+@given(st.lists(st.tuples(st.integers(-3, 3), st.booleans()), min_size=1, max_size=12), st.data())
+def test_priority_then_registration_order_and_removal(specs: list[tuple[int, bool]], data: st.DataObject) -> None:
+    bus = EventBus()
+    calls: list[int] = []
+    handles = []
+    for i, (priority, _) in enumerate(specs):
+        handles.append(bus.on(Event.LOSS, lambda ev, i=i: calls.append(i), priority=priority))
+    removed = {i for i, (_, remove) in enumerate(specs) if remove}
+    for i in removed:
+        handles[i].remove()
+        handles[i].remove()  # removing twice is harmless
+    for _ in range(data.draw(st.integers(1, 3))):
+        calls.clear()
+        bus.fire(Event.LOSS, None)
+        expected = sorted((i for i in range(len(specs)) if i not in removed), key=lambda i: (-specs[i][0], i))
+        assert calls == expected
+    assert all(not handles[i].active for i in removed)
+
+
+def test_handle_as_context_manager_removes_on_exit() -> None:
+    bus = EventBus()
+    calls: list[str] = []
+    with bus.on(Event.SAVE, lambda ev: calls.append("x")):
+        bus.fire(Event.SAVE, None)
+    bus.fire(Event.SAVE, None)
+    assert calls == ["x"]
+
+
+def test_a_handler_removed_during_dispatch_still_lets_the_current_round_finish() -> None:
+    bus = EventBus()
+    calls: list[str] = []
+    second = None
+
+    def first(ev: object) -> None:
+        calls.append("first")
+        assert second is not None
+        second.remove()
+
+    bus.on(Event.LOG, first, priority=1)
+    second = bus.on(Event.LOG, lambda ev: calls.append("second"))
+    bus.fire(Event.LOG, None)
+    bus.fire(Event.LOG, None)
+    assert calls == ["first", "second", "first"]
+
+
+def test_handler_error_names_the_handler_and_the_event_and_keeps_state_consistent() -> None:
+    config = LoopConfig(20, 2, 2, 2, None, None)
+    engine = toy_engine(config)
+
+    def explode_at_step_three(ev) -> None:  # type: ignore[no-untyped-def]
+        if ev.engine.state.global_step == 2:
+            raise RuntimeError("boom")
+
+    engine.on(Event.LOSS, explode_at_step_three, name="exploder")
+    with pytest.raises(HandlerError, match=r"handler 'exploder' failed at event LOSS: RuntimeError: boom") as info:
+        engine.fit()
+    assert info.value.handler == "exploder" and info.value.event == "LOSS"
+    assert isinstance(info.value.__cause__, RuntimeError)
+    state = engine.state
+    assert state.global_step == 2 and state.batches_in_epoch == 4
+    assert all(p.grad is None for p in engine.model.parameters())  # no half window left behind
+
+
+def test_trace_records_who_ran_at_which_event() -> None:
+    engine = toy_engine(LoopConfig(4, 2, 1, 1, None, None), trace=True)
+    engine.on(Event.STEP_END, lambda ev: None, name="mine", priority=Priority.CONSUMER)
+    engine.fit()
+    assert engine.bus.trace == [("STEP_END", "mine"), ("STEP_END", "mine")]
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Event.STEP_END(every=0), "every must be an integer >= 1, got 0"),
+        (lambda: Event.STEP_END(once=-2), "once must be an integer >= 1, got -2"),
+        (lambda: EventFilter.make(), "needs at least one of every, once"),
+        (lambda: EventBus().on("STEP_ENDD", lambda ev: None), "unknown event 'STEP_ENDD'; did you mean 'STEP_END'"),
+        (lambda: EventBus().on(42, lambda ev: None), "cannot register a handler for 42"),  # type: ignore[call-overload]
+        (lambda: EventBus().on(Event.LOG, "not callable"), "must be callable"),  # type: ignore[arg-type]
+        (lambda: Event.LOG(every=2) | Event.SAVE(every=2), "different events"),  # type: ignore[operator]
+    ],
+)
+def test_bad_registrations_fail_with_a_message_naming_the_value(make, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_epochs": 0}, "max_epochs must be an integer >= 1, got 0"),
+        ({"max_steps": -1}, "max_steps must be an integer >= 1, got -1"),
+        ({"max_epochs": None}, "set max_epochs or max_steps"),
+        ({"train_data": []}, "train_data is empty"),
+        ({"max_epochs": 2.5}, "max_epochs must be an integer >= 1, got 2.5"),
+    ],
+)
+def test_bad_engine_configuration_fails_at_construction(kwargs: dict[str, object], message: str) -> None:
+    model = torch.nn.Linear(3, 1)
+    args: dict[str, object] = {"train_data": [(torch.randn(2, 3), torch.randn(2, 1))], "max_epochs": 1}
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=message):
+        Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), **args)  # type: ignore[arg-type]
+
+
+def test_accumulation_steps_must_be_positive() -> None:
+    engine = toy_engine(LoopConfig(4, 2, 1, 1, None, None))
+    with pytest.raises(ConfigError, match="accumulation_steps must be an integer >= 1, got 0"):
+        engine.accumulation_steps = 0
