@@ -149,8 +149,10 @@ class EventBus:
     # -- dispatch -----------------------------------------------------------------------------
     def count(self, event: EventType[Any]) -> int:
         """Advance and return the occurrence number of ``event`` (what filters see)."""
-        n = self.counts.get(event.name, 0) + 1
-        self.counts[event.name] = n
+        counts = self.counts
+        name = event.name
+        n = counts[name] + 1 if name in counts else 1
+        counts[name] = n
         return n
 
     def fire(self, event: EventType[P], payload: P) -> None:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+
 from trainbus.hooks import Hooks, loss_with
 
 from .bus import EventBus, Handle, Priority
@@ -372,31 +373,53 @@ class Engine:
         self._side_effects()
 
     def _train_window(self, window: list[Any], steps_per_epoch: int | None) -> None:
-        """One optimizer step over the micro-batches of ``window``."""
-        hooks, model, state, optimizer = self.hooks, self.model, self.state, self.optimizer
+        """One optimizer step over the micro-batches of ``window``.
+
+        This is the hot path: a payload is only built when the event has handlers (``listening``),
+        and nothing here reads a tensor's value (no host sync).
+        """
+        hooks, model, state, optimizer, bus = self.hooks, self.model, self.state, self.optimizer, self.bus
         assert optimizer is not None
+        listening = bus._handlers
+        count = bus.count
         size = len(window)
         self.step_outputs.clear()
-        self._fire(Event.STEP_START, lambda: StepStartEvent(self, window))
+        n = count(Event.STEP_START)
+        if listening[Event.STEP_START.index]:
+            bus.dispatch(Event.STEP_START, StepStartEvent(self, window), n)
+        stepped = False
         try:
             for i, batch in enumerate(window):
-                started = self._fire(Event.BATCH_START, lambda: BatchStartEvent(self, batch, i, size))
-                if started is not None:
+                n = count(Event.BATCH_START)
+                if listening[Event.BATCH_START.index]:
+                    started = BatchStartEvent(self, batch, i, size)
+                    bus.dispatch(Event.BATCH_START, started, n)
                     batch = started.batch
                 batch = hooks.to_device(batch, self.device)
                 outputs = hooks.forward(model, batch)
                 loss = hooks.compute_loss(outputs, batch)
-                scored = self._fire(Event.LOSS, lambda: LossEvent(self, batch, outputs, loss, i, size))
-                if scored is not None:
+                n = count(Event.LOSS)
+                if listening[Event.LOSS.index]:
+                    scored = LossEvent(self, batch, outputs, loss, i, size)
+                    bus.dispatch(Event.LOSS, scored, n)
                     loss = scored.loss
                 hooks.backward(loss)
-                self._fire(Event.BACKWARD_END, lambda: BackwardEndEvent(self, loss, i, size))
-            check = BeforeOptimizerStepEvent(self)
-            self.bus.dispatch(Event.BEFORE_OPTIMIZER_STEP, check, self.bus.count(Event.BEFORE_OPTIMIZER_STEP))
-            stepped = False if check.skip else hooks.optimizer_step(optimizer)
+                n = count(Event.BACKWARD_END)
+                if listening[Event.BACKWARD_END.index]:
+                    bus.dispatch(Event.BACKWARD_END, BackwardEndEvent(self, loss, i, size), n)
+            n = count(Event.BEFORE_OPTIMIZER_STEP)
+            skip = False
+            if listening[Event.BEFORE_OPTIMIZER_STEP.index]:
+                check = BeforeOptimizerStepEvent(self)
+                bus.dispatch(Event.BEFORE_OPTIMIZER_STEP, check, n)
+                skip = check.skip
+            if not skip:
+                stepped = hooks.optimizer_step(optimizer)
             if stepped:
                 state.optimizer_steps_taken += 1
-                self._fire(Event.OPTIMIZER_STEP, lambda: OptimizerStepEvent(self))
+                n = count(Event.OPTIMIZER_STEP)
+                if listening[Event.OPTIMIZER_STEP.index]:
+                    bus.dispatch(Event.OPTIMIZER_STEP, OptimizerStepEvent(self), n)
         finally:
             # a failed window leaves no half-accumulated gradients behind
             hooks.zero_grad(optimizer)
@@ -405,7 +428,9 @@ class Engine:
         state.batches_in_epoch += size
         if steps_per_epoch:
             state.epoch = state.epochs_completed + state.epoch_step / steps_per_epoch
-        self._fire(Event.STEP_END, lambda: StepEndEvent(self, stepped))
+        n = count(Event.STEP_END)
+        if listening[Event.STEP_END.index]:
+            bus.dispatch(Event.STEP_END, StepEndEvent(self, stepped), n)
 
     # -- evaluate / predict --------------------------------------------------------------------
     def evaluate(self, data: Any = None, *, prefix: str = "eval") -> dict[str, Any]:

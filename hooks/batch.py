@@ -17,6 +17,8 @@ def to_device(batch: Any, device: torch.device | None) -> Any:
         return batch
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
+    if type(batch) is tuple or type(batch) is list:  # the common case first: no ABC checks
+        return type(batch)([to_device(v, device) for v in batch])
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device) for k, v in batch.items()}
         return moved if type(batch) is dict else type(batch)(moved)  # type: ignore[call-arg]
@@ -32,6 +34,8 @@ def get_labels(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Any:
 
     Returns None when the batch carries no labels; with several label names, a tuple.
     """
+    if type(batch) is tuple or type(batch) is list:
+        return batch[-1] if len(batch) >= 2 else None
     if isinstance(batch, Mapping):
         found = [batch[name] for name in label_names if name in batch]
         if not found:

@@ -23,6 +23,8 @@ def forward(model: torch.nn.Module, batch: Any) -> Any:
     dict -> ``model(**batch)``; (inputs, target) tuple/list -> ``model(inputs)``; longer tuples ->
     ``model(*batch[:-1])``; anything else -> ``model(batch)``.
     """
+    if type(batch) is tuple or type(batch) is list:
+        return model(batch[0]) if len(batch) == 2 else model(*batch[:-1]) if len(batch) > 2 else model(batch)
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, list | tuple) and not hasattr(batch, "_fields"):
@@ -53,6 +55,8 @@ def loss_from_outputs(outputs: Any) -> torch.Tensor:
 
 def model_output(outputs: Any) -> Any:
     """The prediction part of model outputs: logits when named, else the first tensor."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
     logits = getattr(outputs, "logits", None)
     if logits is None and isinstance(outputs, Mapping):
         logits = outputs.get("logits")

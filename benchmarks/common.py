@@ -1,0 +1,86 @@
+"""Shared pieces of the benchmarks: the tiny job, a raw PyTorch loop, alternating timing, sync counting."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+FEATURES, HIDDEN, CLASSES, BATCH = 32, 64, 4, 8
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def make_batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(BATCH, FEATURES, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)) for _ in range(n)
+    ]
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+
+def raw_loop(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], loss_fn: Callable[..., Any]
+) -> None:
+    """What a user writes by hand: the reference every ratio is measured against."""
+    model.train()
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def alternate(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median wall time of each run, the runs interleaved so drift hits all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for fn in runs.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts device-to-host synchronisations: reading a tensor's value into Python."""
+
+    SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(str(func).startswith(op) for op in self.SYNC_OPS):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def count_syncs() -> Iterator[SyncCounter]:
+    counter = SyncCounter()
+    with counter:
+        yield counter
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    print(f"\n{title}")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
