@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from trainbus.engine import ConfigError, Engine, Event, EventBus, EventFilter, HandlerError, Priority
 from trainbus.engine.testing import LoopConfig, toy_engine
 

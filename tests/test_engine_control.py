@@ -7,12 +7,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
 import trainbus.engine.bus
 import trainbus.engine.loop
 import trainbus.engine.plugin
 import trainbus.engine.state
-from hypothesis import given
-from hypothesis import strategies as st
 from trainbus.engine import ConfigError, Engine, Event, Plugin, State
 from trainbus.engine.testing import EventRecorder, LoopConfig, check_trace, toy_engine
 from trainbus.hooks import Hooks

@@ -7,6 +7,7 @@ import math
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from trainbus.engine import Engine, Event, Plugin
 from trainbus.engine.testing import EventRecorder, LoopConfig, check_trace, loop_configs, toy_engine
 

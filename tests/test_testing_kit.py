@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from trainbus.engine.testing import LoopConfig, TraceError, check_trace, loop_configs, trace_is_valid
 
 STEP = ["STEP_START", "BATCH_START", "LOSS", "BACKWARD_END", "BEFORE_OPTIMIZER_STEP", "OPTIMIZER_STEP", "STEP_END"]
