@@ -1,0 +1,467 @@
+"""Checkpoints: save on SAVE, rotate, resume bit-exactly, load the best model, save a final model.
+
+A checkpoint is a directory ``output_dir/checkpoint-{global_step}`` holding, with no pickle:
+
+- ``model.safetensors``: the model's weights (tied weights once);
+- ``optimizer.json`` + ``optimizer.safetensors``: ``optimizer.state_dict()``;
+- ``plugins.json`` + ``plugins.safetensors``: every plugin's ``state_dict()`` (scheduler,
+  scaler, early stopping, ...), keyed by plugin name;
+- ``rng.json`` + ``rng.safetensors``: Python, numpy, torch CPU (and CUDA) generator states;
+- ``trainer_state.json``: ``engine.state.to_json()``;
+- ``manifest.json``, written last: every file's size and sha256.
+
+It is written into ``checkpoint-{step}.tmp-{pid}``, fsynced and renamed, so a crash leaves
+either the complete checkpoint or a temporary directory that nothing reads (K3).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority, State
+from trainbus.engine.events import EpochEndEvent, EpochStartEvent, EvalEndEvent, Payload, SaveEvent, StepEndEvent
+
+from . import checkpoint_io as cio
+
+logger = logging.getLogger("trainbus.checkpoint")
+
+PREFIX = "checkpoint-"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+_TMP = re.compile(r"^checkpoint-\d+\.(?:tmp|old)-(\d+)$")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+
+
+# -- listing and rotation -------------------------------------------------------------------------
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (a readable manifest) in ``output_dir`` as ``(step, path)``, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _NAME.match(child.name)
+        if match and child.is_dir() and cio.is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    found = list_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def _same(a: str | Path | None, b: Path) -> bool:
+    return a is not None and Path(a).resolve() == b.resolve()
+
+
+def checkpoints_to_keep(steps: list[int], limit: int, best: int | None) -> set[int]:
+    """Which of the sorted ``steps`` rotation keeps (HF's rule).
+
+    The newest ``limit`` stay; when the best is older than those, it stays instead of the oldest
+    of them, except that the newest always stays (so ``limit=1`` keeps best and newest: 2).
+    """
+    if limit < 1:
+        raise ConfigError(f"save_total_limit must be an integer >= 1 or None, got {limit!r}")
+    if best is None or best not in steps or best in steps[-limit:]:
+        return set(steps[-limit:])
+    newest = steps[-max(limit - 1, 1) :]
+    return {best, *newest}
+
+
+def rotate_checkpoints(output_dir: str | Path, limit: int | None, best: str | Path | None = None) -> list[Path]:
+    """Delete complete checkpoints beyond ``limit`` (never the best nor the newest); returns the deleted.
+
+    Incomplete directories are not counted and not touched, except temporary directories left
+    by processes that no longer run, which are removed.
+    """
+    _remove_stale_temporaries(Path(output_dir))
+    found = list_checkpoints(output_dir)
+    if limit is None or not found:
+        return []
+    best_step = next((step for step, path in found if _same(best, path)), None)
+    keep = checkpoints_to_keep([step for step, _ in found], limit, best_step)
+    deleted = []
+    for step, path in found:
+        if step not in keep:
+            _delete(path)
+            deleted.append(path)
+    return deleted
+
+
+def _delete(path: Path) -> None:
+    # rename first: a crash during rmtree must not leave a half-deleted dir that still has its manifest
+    doomed = path.with_name(f"{path.name}.old-{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        match = _TMP.match(child.name)
+        if match and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own leftovers come from a save that already failed
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists but belongs to someone else
+    return True
+
+
+# -- save -----------------------------------------------------------------------------------------
+def save_checkpoint(engine: Engine, output_dir: str | Path, *, info: dict[str, Any] | None = None) -> Path:
+    """Write ``output_dir/checkpoint-{global_step}`` atomically and return its path.
+
+    When this step is the best one (``state.best_global_step == state.global_step``), sets
+    ``state.best_model_checkpoint`` to it before writing the state. On failure nothing is left
+    that looks complete, the previous checkpoints are untouched and the state is unchanged.
+    """
+    if engine.optimizer is None:
+        raise ConfigError("save_checkpoint needs engine.optimizer: a checkpoint without it cannot resume")
+    state = engine.state
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{state.global_step}"
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    previous_best = state.best_model_checkpoint
+    if state.best_global_step is not None and state.best_global_step == state.global_step:
+        state.best_model_checkpoint = str(final)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        cio.save_weights(engine.model, tmp / "model.safetensors")
+        files = ["model.safetensors"]
+        files += cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
+        files += cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
+        files += cio.write_bundle(tmp, "rng", cio.rng_state())
+        cio.write_text(tmp / "trainer_state.json", state.to_json())
+        files.append("trainer_state.json")
+        cio.write_manifest(tmp, files, {"global_step": state.global_step, **(info or {})})
+        cio.fsync_path(tmp)
+        _publish(tmp, final)
+    except BaseException:
+        state.best_model_checkpoint = previous_best
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` (a re-save of that step) is replaced."""
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    cio.fsync_path(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- load / resume --------------------------------------------------------------------------------
+def resolve_checkpoint(checkpoint: str | Path | bool, output_dir: str | Path | None) -> Path:
+    """A checkpoint path from ``resume_from_checkpoint`` (a path, or True for the latest complete one)."""
+    if checkpoint is True:
+        if output_dir is None:
+            raise ConfigError("resume_from_checkpoint=True needs an output_dir to search (or a Checkpointing plugin)")
+        latest = latest_checkpoint(output_dir)
+        if latest is None:
+            root = Path(output_dir)
+            seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+            raise ConfigError(
+                f"resume_from_checkpoint=True: no complete checkpoint (checkpoint-N with a valid {cio.MANIFEST}) "
+                f"in {root}; found: {seen or 'nothing'}"
+            )
+        return latest
+    if isinstance(checkpoint, bool) or not isinstance(checkpoint, str | os.PathLike):
+        raise ConfigError(f"resume_from_checkpoint must be a path or True, got {checkpoint!r}")
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise ConfigError(f"resume_from_checkpoint={str(path)!r} is not a directory")
+    return path
+
+
+def load_checkpoint(engine: Engine, path: str | Path) -> dict[str, Any]:
+    """Verify a checkpoint and restore model, optimizer, state and plugins into ``engine``.
+
+    Returns the RNG states (not applied: ``resume`` applies them where the interrupted run was).
+    Reads only JSON and safetensors files listed in the verified manifest.
+    """
+    directory = Path(path)
+    cio.read_manifest(directory, verify=True)
+    if engine.optimizer is None:
+        raise ConfigError("resuming needs engine.optimizer: pass it to the Engine or attach the optimizer plugin first")
+    cio.load_weights(
+        engine.model, cio.read_tensors(directory / "model.safetensors"), str(directory / "model.safetensors")
+    )
+    optimizer_state = cio.read_bundle(directory, "optimizer")
+    try:
+        engine.optimizer.load_state_dict(optimizer_state)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise ConfigError(f"{directory / 'optimizer.json'} does not fit engine.optimizer: {exc}") from exc
+    state_path = directory / "trainer_state.json"
+    try:
+        state = State.load_from_json(state_path)
+    except (OSError, TypeError) as exc:
+        raise ConfigError(f"checkpoint file {state_path} is not a valid trainer state: {exc}") from exc
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint file {state_path}: {exc}") from exc
+    engine.load_state_dict({"state": state.to_dict(), "plugins": cio.read_bundle(directory, "plugins")})
+    rng = cio.read_bundle(directory, "rng")
+    if not isinstance(rng, dict) or "python" not in rng or "torch" not in rng:
+        raise ConfigError(f"checkpoint file {directory / 'rng.json'} lacks the python/torch RNG states")
+    return rng
+
+
+def resume(engine: Engine, checkpoint: str | Path | bool, output_dir: str | Path | None = None) -> Path:
+    """Restore a checkpoint into ``engine`` so that ``engine.fit()`` continues the run bit for bit.
+
+    Args:
+        engine: a fresh engine built like the interrupted one (same plugins, optimizer, data).
+        checkpoint: a checkpoint directory, or True for the latest complete one in ``output_dir``.
+        output_dir: where to look for True; defaults to the attached Checkpointing plugin's.
+
+    RNG states are applied now and again just before the interrupted run's next random draw:
+    at the first STEP_START (mid-epoch), or at the next fresh EPOCH_START. Creating the resumed
+    epoch's data iterator (a DataLoader draws a seed) would otherwise shift every later draw.
+    """
+    if checkpoint is True and output_dir is None:
+        plugin = engine.get_plugin(Checkpointing)
+        output_dir = plugin.output_dir if isinstance(plugin, Checkpointing) else None
+    path = resolve_checkpoint(checkpoint, output_dir)
+    rng = load_checkpoint(engine, path)
+    cio.set_rng_state(rng)
+    _RestoreRng(engine, rng)
+    logger.info("resumed from %s at global step %d", path, engine.state.global_step)
+    return path
+
+
+class _RestoreRng:
+    """One-shot handlers re-applying RNG states where the uninterrupted run continued."""
+
+    def __init__(self, engine: Engine, rng: dict[str, Any]) -> None:
+        self.rng = rng
+        first = Priority.FIRST + 1  # before every plugin, as the uninterrupted run had no extra draws
+        self.handles = [
+            engine.on(Event.STEP_START, self._restore, priority=first, name="resume.restore_rng"),
+            engine.on(Event.EPOCH_START, self._epoch_start, priority=first, name="resume.restore_rng"),
+        ]
+
+    def _epoch_start(self, payload: EpochStartEvent) -> None:
+        if payload.engine.state.batches_in_epoch == 0:
+            self._restore(payload)
+
+    def _restore(self, payload: Payload) -> None:
+        cio.set_rng_state(self.rng)
+        for handle in self.handles:
+            handle.remove()
+
+
+# -- plugins --------------------------------------------------------------------------------------
+class Checkpointing(Plugin):
+    """Writes a checkpoint at every SAVE event, then rotates old ones.
+
+    Args:
+        output_dir: where ``checkpoint-{step}`` directories go.
+        save_total_limit: keep at most this many complete checkpoints (None keeps all); the best
+            (``state.best_model_checkpoint``) and the newest are never deleted.
+        best_metric_key: the metric that defines the best checkpoint (HF metric_for_best_model);
+            its last evaluated value is recorded in each manifest. The best step itself comes
+            from ``state.best_global_step`` (the BestMetric plugin).
+        save_safetensors: must be True: trainbus never writes pickle.
+        save_strategy: when to request saves: "no" / None (only act on SAVE set by others),
+            "steps" (every ``save_steps`` and at the last step), "epoch", "best" (after an
+            evaluation that found a new best).
+        save_steps: an int, or a float in (0, 1) as a fraction of max_steps (as HF).
+
+    Example:
+        >>> import torch, tempfile
+        >>> from trainbus.engine import Engine
+        >>> from trainbus.plugins.checkpoint import Checkpointing, list_checkpoints
+        >>> model = torch.nn.Linear(2, 1)
+        >>> out = tempfile.mkdtemp()
+        >>> engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), max_steps=4,
+        ...                 train_data=[(torch.ones(2, 2), torch.ones(2, 1))] * 4, loss_fn=torch.nn.MSELoss(),
+        ...                 plugins=[Checkpointing(out, save_total_limit=2, save_strategy="steps", save_steps=1)])
+        >>> _ = engine.fit()
+        >>> [step for step, _ in list_checkpoints(out)]
+        [3, 4]
+    """
+
+    priority = Priority.CONSUMER
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        save_total_limit: int | None = None,
+        best_metric_key: str | None = None,
+        save_safetensors: bool = True,
+        *,
+        save_strategy: str | None = None,
+        save_steps: int | float = 500,
+    ) -> None:
+        if save_total_limit is not None and (
+            isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1
+        ):
+            raise ConfigError(f"save_total_limit must be an integer >= 1 or None, got {save_total_limit!r}")
+        if save_safetensors is not True:
+            raise ConfigError(
+                "save_safetensors must be True: trainbus checkpoints are safetensors + JSON, never pickle"
+            )
+        strategy = getattr(save_strategy, "value", save_strategy) or "no"
+        if strategy not in SAVE_STRATEGIES:
+            raise ConfigError(f"save_strategy must be one of {SAVE_STRATEGIES}, got {save_strategy!r}")
+        if strategy == "steps" and not (
+            (isinstance(save_steps, int) and not isinstance(save_steps, bool) and save_steps >= 1)
+            or (isinstance(save_steps, float) and (0 < save_steps < 1 or (save_steps.is_integer() and save_steps >= 1)))
+        ):
+            raise ConfigError(f"save_steps must be an integer >= 1 or a float in (0, 1), got {save_steps!r}")
+        self.output_dir = Path(output_dir)
+        self.save_total_limit = save_total_limit
+        self.best_metric_key = best_metric_key
+        self.save_strategy = strategy
+        self.save_steps = save_steps
+        self.last_metric: float | None = None
+        self.last_saved: Path | None = None
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, Event.SAVE, self.save)
+        if self.save_strategy == "steps":
+            self.on(engine, Event.STEP_END, self._step_end, priority=Priority.DEFAULT)
+        elif self.save_strategy == "epoch":
+            self.on(engine, Event.EPOCH_END, self._epoch_end, priority=Priority.DEFAULT)
+        if self.best_metric_key is not None or self.save_strategy == "best":
+            # after BestMetric (which updates state.best_global_step at a higher priority)
+            self.on(engine, Event.EVAL_END, self._eval_end, priority=Priority.CONSUMER)
+
+    def _interval(self, state: State) -> int:
+        if isinstance(self.save_steps, float) and self.save_steps < 1:
+            return max(1, int(-(-state.max_steps * self.save_steps // 1)))  # ceil, as HF
+        return int(self.save_steps)
+
+    def _step_end(self, payload: StepEndEvent) -> None:
+        state = payload.engine.state
+        if state.global_step % self._interval(state) == 0 or state.global_step >= state.max_steps:
+            payload.engine.control.should_save = True
+
+    def _epoch_end(self, payload: EpochEndEvent) -> None:
+        payload.engine.control.should_save = True
+
+    def _eval_end(self, payload: EvalEndEvent) -> None:
+        engine = payload.engine
+        key = self.best_metric_key
+        if key is not None:
+            value = payload.metrics.get(key, payload.metrics.get(f"{payload.prefix}_{key}"))
+            if isinstance(value, int | float) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+                self.last_metric = float(value)  # once per evaluation, not per step
+        if self.save_strategy == "best" and engine.state.best_global_step == engine.state.global_step:
+            engine.control.should_save = True
+
+    def save(self, payload: SaveEvent) -> None:
+        """The SAVE handler: write the checkpoint (main process only) and rotate."""
+        engine = payload.engine
+        if not engine.state.is_world_process_zero:
+            return
+        info: dict[str, Any] = {}
+        if self.best_metric_key is not None:
+            info["metric"] = {"key": self.best_metric_key, "value": self.last_metric}
+        self.last_saved = save_checkpoint(engine, self.output_dir, info=info)
+        rotate_checkpoints(self.output_dir, self.save_total_limit, engine.state.best_model_checkpoint)
+
+
+class LoadBestModelAtEnd(Plugin):
+    """At TRAIN_END, loads the weights of ``state.best_model_checkpoint`` into the model (K5).
+
+    Runs first at TRAIN_END so that later handlers (a final save_model) see the best weights.
+    Without a best checkpoint (no evaluation, or the best step was not saved) it warns and keeps
+    the last weights, as HF does.
+    """
+
+    priority = Priority.FIRST
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, Event.TRAIN_END, self.load)
+
+    def load(self, payload: Payload) -> None:
+        engine = payload.engine
+        best = engine.state.best_model_checkpoint
+        if best is None:
+            logger.warning("load_best_model_at_end: no best checkpoint was recorded; keeping the last weights")
+            return
+        directory = Path(best)
+        cio.read_manifest(directory, verify=True)
+        weights = directory / "model.safetensors"
+        cio.load_weights(engine.model, cio.read_tensors(weights), str(weights))
+        logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)
+
+
+# -- final model ----------------------------------------------------------------------------------
+def save_model(model: torch.nn.Module, output_dir: str | Path) -> Path:
+    """Save a model users can load (K6): ``save_pretrained`` for HF models, else safetensors + JSON.
+
+    A plain module gets ``model.safetensors`` and ``trainbus_model.json`` (its class and
+    parameter count); load it with ``load_model_weights(model, output_dir)``.
+    """
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if callable(save_pretrained):
+        import inspect
+
+        kwargs = (
+            {"safe_serialization": True}
+            if "safe_serialization" in inspect.signature(save_pretrained).parameters
+            else {}
+        )
+        save_pretrained(str(root), **kwargs)
+        return root
+    cio.save_weights(model, root / "model.safetensors")
+    kind = type(model)
+    cio.write_json(
+        root / "trainbus_model.json",
+        {
+            "format": "trainbus-model",
+            "class": f"{kind.__module__}.{kind.__qualname__}",
+            "weights": "model.safetensors",
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+        },
+    )
+    return root
+
+
+def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
+    """Load weights saved by ``save_model`` or a checkpoint (safetensors only, also HF shards)."""
+    root = Path(directory)
+    single = root / "model.safetensors"
+    index = root / "model.safetensors.index.json"
+    if single.is_file():
+        cio.load_weights(model, cio.read_tensors(single), str(single))
+        return
+    if index.is_file():
+        weight_map = cio.read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index} has no 'weight_map' object")
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(cio.read_tensors(root / shard))
+        cio.load_weights(model, state, str(index))
+        return
+    seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    raise ConfigError(f"no model.safetensors or model.safetensors.index.json in {root}; found: {seen or 'nothing'}")
