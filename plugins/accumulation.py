@@ -1,0 +1,164 @@
+"""Gradient accumulation as a plugin: a window of k micro-batches per optimizer step.
+
+Each micro-batch's loss is a mean over its own items (tokens whose label is not -100, or samples).
+Summing k such means weights a micro-batch with 3 real tokens like one with 300; dividing by k
+(what HF Trainer did for years) gives the wrong gradient whenever the counts differ. This plugin
+rescales micro-batch ``i``'s loss by ``n_i / N``, where ``N`` counts the items of the whole window,
+so the accumulated gradient is the gradient of the mean over all items of the window: exactly the
+gradient of one big batch. The last, partial window of an epoch is normalised by its own items.
+
+Under DDP (a model with ``no_sync``) the micro-batches before the last of a window run inside
+``no_sync()``, so gradients are all-reduced once per window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainbus.engine import Event, Plugin, Priority
+from trainbus.engine.errors import check_positive_int
+from trainbus.hooks import batch_size_of, get_labels
+
+if TYPE_CHECKING:
+    from trainbus.engine import Engine
+    from trainbus.engine.events import BackwardEndEvent, BatchStartEvent, LossEvent, StepStartEvent
+
+Count = int | torch.Tensor
+CountItems = Callable[[Any], Count]
+
+IGNORE_INDEX = -100
+
+
+def count_items(batch: Any, label_names: Sequence[str] = ("labels",)) -> Count:
+    """Items a micro-batch's mean loss averages over.
+
+    Integer labels: the labels that are not -100 (tokens for language models, samples for
+    classification). Float labels: their elements (a mean-squared error averages over them).
+    No labels: the samples (``batch_size_of``). A CPU count is returned as an int (reading it does
+    not wait for a device); a count on an accelerator stays a tensor so no step waits for it.
+    """
+    labels = get_labels(batch, tuple(label_names))
+    if isinstance(labels, tuple):
+        labels = labels[0]
+    if not isinstance(labels, torch.Tensor):
+        return batch_size_of(batch)
+    if labels.is_floating_point() or labels.is_complex():
+        return labels.numel()
+    count = labels.ne(IGNORE_INDEX).sum()
+    return int(count) if count.device.type == "cpu" else count
+
+
+class GradientAccumulation(Plugin):
+    """Accumulate gradients over ``steps`` micro-batches, normalised by the items of the window.
+
+    Sets ``engine.accumulation_steps``; at STEP_START counts the items of each micro-batch of the
+    window; at LOSS (priority PRODUCER, so loggers see the normalised loss) scales the loss by
+    ``n_i / N``. The sum of the scaled losses of a window is the window's mean loss.
+
+    Args:
+        steps: micro-batches per optimizer step (HF ``gradient_accumulation_steps``).
+        count_items: ``fn(batch) -> int | tensor``: the items the model's loss averages over;
+            default ``count_items`` (non -100 integer labels, else label elements, else samples).
+
+    Example:
+        >>> import torch
+        >>> from trainbus.engine import Engine
+        >>> model = torch.nn.Linear(2, 1)
+        >>> data = [(torch.randn(n, 2), torch.randn(n, 1)) for n in (4, 4, 1)]
+        >>> engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=data,
+        ...                 max_epochs=1, loss_fn=torch.nn.MSELoss(), plugins=[GradientAccumulation(2)])
+        >>> engine.fit().global_step
+        2
+    """
+
+    priority = Priority.PRODUCER
+
+    def __init__(self, steps: int, count_items: CountItems | None = None) -> None:
+        check_positive_int("gradient accumulation steps", steps)
+        if count_items is not None and not callable(count_items):
+            raise TypeError(f"count_items must be callable, got {count_items!r}")
+        self.steps = steps
+        self.count_fn = count_items
+        self.micro_batches_seen = 0  # micro-batches whose loss this plugin normalised
+        self.micro_index = 0  # position in the current window (0 between optimizer steps)
+        self._factors: list[Any] = []
+        self._sync_off = contextlib.ExitStack()
+
+    def attach(self, engine: Engine) -> None:
+        engine.accumulation_steps = self.steps
+        self.on(engine, Event.STEP_START, self.step_start)
+        self.on(engine, Event.BATCH_START, self.batch_start, priority=Priority.LAST)
+        self.on(engine, Event.LOSS, self.scale_loss)
+        self.on(engine, Event.BACKWARD_END, self.backward_end, priority=Priority.FIRST)
+
+    def detach(self, engine: Engine) -> None:
+        self._sync_off.close()
+        super().detach(engine)
+        engine.accumulation_steps = 1
+
+    # -- the window ------------------------------------------------------------------------------
+    def _count(self, batch: Any, label_names: Sequence[str]) -> Count:
+        if self.count_fn is not None:
+            return self.count_fn(batch)
+        return count_items(batch, label_names)
+
+    def step_start(self, event: StepStartEvent) -> None:
+        self._sync_off.close()  # a failed window must not leave gradient sync switched off
+        self.micro_index = 0
+        counts = [self._count(b, event.engine.label_names) for b in event.batches]
+        self._factors = window_factors(counts)
+
+    def scale_loss(self, event: LossEvent) -> None:
+        factor = self._factors[event.micro_index]
+        loss = event.loss
+        if isinstance(factor, torch.Tensor):
+            factor = factor.to(loss.device)
+            # a micro-batch with no items contributes nothing (its own mean loss is 0/0)
+            event.loss = torch.where(factor > 0, loss * factor.to(loss.dtype), torch.zeros_like(loss))
+        elif factor == 0:
+            event.loss = torch.where(
+                torch.zeros((), dtype=torch.bool, device=loss.device), loss, torch.zeros_like(loss)
+            )
+        else:
+            event.loss = loss * factor
+        self.micro_batches_seen += 1
+
+    # -- DDP: all-reduce once per window ---------------------------------------------------------
+    def batch_start(self, event: BatchStartEvent) -> None:
+        self.micro_index = event.micro_index
+        no_sync = getattr(event.engine.model, "no_sync", None)
+        if callable(no_sync) and event.micro_index < event.window_size - 1:
+            self._sync_off.enter_context(no_sync())
+
+    def backward_end(self, event: BackwardEndEvent) -> None:
+        self._sync_off.close()
+        self.micro_index = event.micro_index + 1 if event.micro_index + 1 < event.window_size else 0
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "micro_index": self.micro_index, "micro_batches_seen": self.micro_batches_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a checkpoint is taken between windows; a different ``steps`` is the user's new choice
+        self.micro_index = int(state.get("micro_index", 0))
+        self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
+
+
+def window_factors(counts: Sequence[Count]) -> list[Any]:
+    """``n_i / N`` for each micro-batch of a window: Python floats for host counts, tensors otherwise.
+
+    A window of host counts that are all zero gets factors of 0 (no item, no gradient).
+    """
+    if all(isinstance(c, int) for c in counts):
+        total = sum(int(c) for c in counts)
+        return [int(c) / total if total else 0.0 for c in counts]
+    tensors = [torch.as_tensor(c) for c in counts]
+    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+    dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
+    stacked = torch.stack([t.to(device=device, dtype=dtype) for t in tensors])
+    total = stacked.sum().clamp_min(1.0)  # all-zero window: factors 0 instead of 0/0
+    return list((stacked / total).unbind())

@@ -1,0 +1,83 @@
+"""Gradient clipping as a plugin, at BEFORE_OPTIMIZER_STEP.
+
+It runs at priority DEFAULT, after the mixed-precision plugin has unscaled the gradients at
+FIRST, so ``max_norm`` applies to the true gradients, never the loss-scaled ones. The total norm
+(before clipping, as HF logs it) stays on the device in ``engine.step_outputs["grad_norm"]``:
+loggers read it once per logging window, so clipping adds no host sync to a step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainbus.engine import ConfigError, Event, Plugin, Priority
+
+if TYPE_CHECKING:
+    from trainbus.engine import Engine
+    from trainbus.engine.events import BeforeOptimizerStepEvent, TrainStartEvent
+
+
+def _check_threshold(name: str, value: float | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < 0:
+        raise ConfigError(f"{name} must be a number >= 0 (0 or None switches it off), got {value!r}")
+
+
+class GradientClipping(Plugin):
+    """Clip gradients by total norm (HF ``max_grad_norm``) and, optionally, by value.
+
+    Args:
+        max_norm: the largest total gradient norm; 0 or None: no norm clipping (and no grad_norm).
+        clip_value: clamp every gradient element to ``[-clip_value, clip_value]`` first; None: off.
+        norm_type: the p of the p-norm (``inf`` for the max norm).
+
+    Example:
+        >>> import torch
+        >>> from trainbus.engine import Engine
+        >>> model = torch.nn.Linear(2, 1)
+        >>> data = [(100 * torch.randn(4, 2), torch.randn(4, 1))]
+        >>> engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=data, max_epochs=1,
+        ...                 loss_fn=torch.nn.MSELoss(), plugins=[GradientClipping(max_norm=1.0)])
+        >>> _ = engine.fit()
+        >>> engine.step_outputs["grad_norm"] > 1.0
+        tensor(True)
+    """
+
+    priority = Priority.DEFAULT
+
+    def __init__(self, max_norm: float | None = 1.0, clip_value: float | None = None, norm_type: float = 2.0) -> None:
+        _check_threshold("max_grad_norm", max_norm)
+        _check_threshold("clip_value", clip_value)
+        if not (isinstance(norm_type, int | float) and norm_type > 0):
+            raise ConfigError(f"norm_type must be > 0 (or inf), got {norm_type!r}")
+        self.max_norm = max_norm or None
+        self.clip_value = clip_value or None
+        self.norm_type = float(norm_type)
+        self._params: list[torch.nn.Parameter] = []
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, Event.TRAIN_START, self.collect, priority=Priority.LAST)
+        self.on(engine, Event.BEFORE_OPTIMIZER_STEP, self.clip)
+
+    def collect(self, event: TrainStartEvent) -> None:
+        # the optimizer's parameters, gathered once: the parameters that will step
+        optimizer = event.engine.optimizer
+        source: Any = (
+            [p for g in optimizer.param_groups for p in g["params"]]
+            if optimizer is not None
+            else event.engine.model.parameters()
+        )
+        self._params = list(source)
+
+    def clip(self, event: BeforeOptimizerStepEvent) -> None:
+        if not self._params:
+            self.collect(event)  # type: ignore[arg-type]  # fit() always fires TRAIN_START; direct use may not
+        if self.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(self._params, self.clip_value, foreach=True)
+        if self.max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_norm, self.norm_type, foreach=True)
+            event.engine.step_outputs["grad_norm"] = norm.detach()

@@ -1,0 +1,95 @@
+"""Plugins that prepare the model: gradient checkpointing and torch.compile (both opt-in)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainbus.engine import ConfigError, Plugin
+
+if TYPE_CHECKING:
+    from trainbus.engine import Engine
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # DDP / accelerate wrappers hold the model in .module
+
+
+class GradientCheckpointing(Plugin):
+    """Recompute activations in backward instead of storing them (HF ``gradient_checkpointing``).
+
+    Calls the model's ``activation_checkpointing_enable`` (transformers 5) or
+    ``gradient_checkpointing_enable`` (4.x); detaching the plugin disables it again.
+
+    Args:
+        gradient_checkpointing_kwargs: passed to ``torch.utils.checkpoint`` (e.g. ``{"use_reentrant": False}``).
+
+    Example:
+        >>> from trainbus.engine import Engine
+        >>> from transformers import BertConfig, BertModel
+        >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        ...                              intermediate_size=8, vocab_size=20))
+        >>> engine = Engine(model, plugins=[GradientCheckpointing()])
+        >>> any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        True
+    """
+
+    def __init__(self, gradient_checkpointing_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.kwargs = dict(gradient_checkpointing_kwargs or {})
+
+    def attach(self, engine: Engine) -> None:
+        model = _unwrap(engine.model)
+        # transformers 5 renamed it (the old name warns); 4.x has only gradient_checkpointing_enable
+        if callable(getattr(model, "activation_checkpointing_enable", None)):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=self.kwargs or None)
+        elif callable(getattr(model, "gradient_checkpointing_enable", None)):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.kwargs or None)
+        else:
+            raise ConfigError(
+                f"gradient checkpointing needs a model with gradient_checkpointing_enable() (Hugging Face models); "
+                f"{type(model).__name__} has none: wrap its blocks in torch.utils.checkpoint.checkpoint instead"
+            )
+        config = getattr(model, "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            config.use_cache = False  # the KV cache is incompatible with checkpointing (HF warns and does this)
+
+    def detach(self, engine: Engine) -> None:
+        model = _unwrap(engine.model)
+        for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+            disable = getattr(model, name, None)
+            if callable(disable):
+                disable()
+                break
+        super().detach(engine)
+
+
+class TorchCompile(Plugin):
+    """Compile the model with ``torch.compile`` in place (``nn.Module.compile``), opt-in.
+
+    In place, so ``engine.model`` stays the same object and its ``state_dict`` keys do not get the
+    ``_orig_mod.`` prefix a compiled wrapper would add: checkpoints stay loadable without it.
+
+    Args:
+        **compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ``fullgraph``...).
+
+    Example:
+        >>> import torch
+        >>> from trainbus.engine import Engine
+        >>> model = torch.nn.Linear(2, 1)
+        >>> engine = Engine(model, plugins=[TorchCompile(backend="eager")])
+        >>> model(torch.ones(1, 2)).shape
+        torch.Size([1, 1])
+    """
+
+    def __init__(self, **compile_kwargs: Any) -> None:
+        self.compile_kwargs = compile_kwargs
+
+    def attach(self, engine: Engine) -> None:
+        engine.model.compile(**self.compile_kwargs)
+
+    def detach(self, engine: Engine) -> None:
+        # undo nn.Module.compile: it only stores the compiled call in this attribute
+        engine.model._compiled_call_impl = None
+        super().detach(engine)

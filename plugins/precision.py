@@ -1,0 +1,202 @@
+"""Mixed precision as a plugin: autocast around forward and loss, loss scaling for fp16.
+
+bf16 needs no scaling: the plugin only wraps the ``forward`` and ``compute_loss`` hooks in
+``torch.autocast``. fp16 adds a ``torch.amp.GradScaler``:
+
+- ``backward`` hook: backpropagates ``scaler.scale(loss)``;
+- BEFORE_OPTIMIZER_STEP at priority FIRST: ``scaler.unscale_(optimizer)``, so clipping (DEFAULT) and
+  every other handler see the true gradients;
+- ``optimizer_step`` hook: on overflow (an inf/NaN gradient) it does not step and returns False, so the
+  engine fires no OPTIMIZER_STEP and the scheduler does not step either; ``skipped_steps`` counts it.
+  Otherwise it calls the inner hook. Then ``scaler.update()`` adjusts the scale.
+
+Reading the overflow flag is one host sync per optimizer step; GradScaler.step does the same read,
+and the engine needs a bool to know whether the optimizer stepped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.engine.errors import suggest
+
+if TYPE_CHECKING:
+    from trainbus.engine import Engine
+    from trainbus.engine.events import BeforeOptimizerStepEvent, StepEndEvent
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch can autocast to ``dtype`` on ``device_type`` (tried on a tiny matmul)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return False
+    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return False
+    try:
+        with torch.autocast(device_type, dtype=dtype):
+            a = torch.ones(2, 2, device=device_type)
+            out = a @ a
+        return bool(out.dtype == dtype)
+    except (RuntimeError, ValueError):
+        return False
+
+
+class MixedPrecision(Plugin):
+    """Train in bf16 or fp16 autocast; fp16 scales the loss and skips steps that overflow.
+
+    Args:
+        dtype: ``"bf16"`` or ``"fp16"`` (also ``"bfloat16"`` / ``"float16"``).
+        device_type: autocast device type; default: the engine's device.
+        scaler: a GradScaler to use for fp16 (tests inject one); default ``torch.amp.GradScaler``
+            built from ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``.
+
+    Attributes:
+        skipped_steps: optimizer steps skipped because the gradients overflowed (fp16).
+
+    Example:
+        >>> import torch
+        >>> from trainbus.engine import Engine
+        >>> model = torch.nn.Linear(2, 1)
+        >>> data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
+        >>> amp = MixedPrecision("fp16", init_scale=2.0**8)
+        >>> engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=data, max_epochs=1,
+        ...                 loss_fn=torch.nn.MSELoss(), plugins=[amp])
+        >>> engine.fit().optimizer_steps_taken + amp.skipped_steps
+        3
+    """
+
+    priority = Priority.FIRST
+
+    def __init__(
+        self,
+        dtype: str = "bf16",
+        *,
+        device_type: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ConfigError(
+                f"unknown mixed precision {dtype!r}{suggest(dtype, DTYPES)}; allowed: {', '.join(DTYPES)}"
+            )
+        if scaler is not None and DTYPES[dtype] != torch.float16:
+            raise ConfigError(f"a loss scaler is for fp16 only; {dtype} needs none")
+        if not init_scale > 0:
+            raise ConfigError(f"init_scale must be > 0, got {init_scale!r}")
+        self.dtype = DTYPES[dtype]
+        self.device_type = device_type
+        self.scaler: Any = scaler
+        self._scaler_kwargs = {
+            "init_scale": init_scale,
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval,
+        }
+        self.skipped_steps = 0
+        self._unscaled = False  # unscale_ ran for this step and update() has not yet
+        self._pending_scaler: dict[str, Any] | None = None
+
+    @property
+    def fp16(self) -> bool:
+        return self.dtype == torch.float16
+
+    def attach(self, engine: Engine) -> None:
+        device_type = self.device_type or engine.device.type
+        if not autocast_supported(device_type, self.dtype):
+            name = "fp16" if self.fp16 else "bf16"
+            other = "bf16" if self.fp16 else "fp16, or no mixed precision"
+            raise ConfigError(
+                f"{name} autocast is not supported on device {device_type!r} by torch {torch.__version__}; try {other}"
+            )
+        self.device_type = device_type
+        self.wrap_hook(engine, "forward", self._autocast)
+        self.wrap_hook(engine, "compute_loss", self._autocast)
+        if not self.fp16:
+            return
+        if self.scaler is None:
+            self.scaler = torch.amp.GradScaler(device_type, **self._scaler_kwargs)
+        if self._pending_scaler is not None:
+            self.scaler.load_state_dict(self._pending_scaler)
+            self._pending_scaler = None
+        self.wrap_hook(engine, "backward", self._scaled_backward)
+        self.wrap_hook(engine, "optimizer_step", self._scaled_step)
+        self.on(engine, Event.BEFORE_OPTIMIZER_STEP, self.unscale, priority=Priority.FIRST)
+        self.on(engine, Event.STEP_END, self.step_end, priority=Priority.FIRST)
+
+    # -- hook wrappers ---------------------------------------------------------------------------
+    def _autocast(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        device_type, dtype = self.device_type, self.dtype
+        assert device_type is not None
+
+        def autocast(*args: Any) -> Any:
+            with torch.autocast(device_type, dtype=dtype):
+                return inner(*args)
+
+        autocast.__qualname__ = f"autocast({getattr(inner, '__qualname__', 'hook')})"
+        return autocast
+
+    def _scaled_backward(self, inner: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def scaled_backward(loss: torch.Tensor) -> None:
+            inner(self.scaler.scale(loss))
+
+        return scaled_backward
+
+    def _scaled_step(self, inner: Callable[[torch.optim.Optimizer], bool]) -> Callable[[torch.optim.Optimizer], bool]:
+        def scaled_step(optimizer: torch.optim.Optimizer) -> bool:
+            if not self._unscaled:  # called outside the loop's BEFORE_OPTIMIZER_STEP
+                self.scaler.unscale_(optimizer)
+            found = self.scaler._found_inf_per_device(optimizer)
+            overflow = bool(sum(v.item() for v in found.values()))  # the one host read of an fp16 step
+            stepped = False
+            if overflow:
+                self.skipped_steps += 1
+            else:
+                stepped = bool(inner(optimizer))
+            self.scaler.update()
+            self._unscaled = False
+            return stepped
+
+        return scaled_step
+
+    # -- handlers --------------------------------------------------------------------------------
+    def unscale(self, event: BeforeOptimizerStepEvent) -> None:
+        optimizer = event.engine.optimizer
+        assert optimizer is not None
+        self.scaler.unscale_(optimizer)
+        self._unscaled = True
+
+    def step_end(self, event: StepEndEvent) -> None:
+        # a handler vetoed the step after we unscaled: update() clears the scaler's per-step record
+        if self._unscaled:
+            self.scaler.update()
+            self._unscaled = False
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        scaler = self.scaler.state_dict() if self.scaler is not None else None
+        return {"skipped_steps": self.skipped_steps, "scaler": scaler}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        saved = state.get("scaler")
+        if not saved:
+            return
+        if not self.fp16:
+            raise ConfigError("the saved state has a loss scaler, but this MixedPrecision is bf16")
+        if self.scaler is None:
+            self._pending_scaler = dict(saved)  # loaded when attach builds the scaler
+        else:
+            self.scaler.load_state_dict(dict(saved))
