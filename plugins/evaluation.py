@@ -1,0 +1,393 @@
+"""Evaluation and prediction results as HF users know them: EvalPrediction, PredictionOutput, EvalCollector.
+
+The engine runs the eval loop (``Engine.evaluate`` / ``predict``: inference mode, eval mode and
+back); ``EvalCollector`` listens to it. Per batch it adds the loss to a sum that stays on the
+device and keeps the logits / labels (optionally inputs) as they are; every
+``eval_accumulation_steps`` batches it moves what it holds to the CPU. At the end it pads the
+ragged batches with -100 into one array, gathers across processes, calls ``compute_metrics``
+and fills ``{prefix}_loss``, ``{prefix}_runtime``, ``{prefix}_samples_per_second``,
+``{prefix}_steps_per_second`` and the prefixed metrics. One host sync per evaluation, none per batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from trainbus.engine import (
+    ConfigError,
+    Engine,
+    EvalBatchEndEvent,
+    EvalEndEvent,
+    EvalStartEvent,
+    Event,
+    Plugin,
+    PredictBatchEndEvent,
+    PredictEndEvent,
+    PredictStartEvent,
+    Priority,
+    data_length,
+)
+from trainbus.hooks import batch_size_of
+
+from .eval_tensors import (
+    Nested,
+    ShardLayout,
+    gather_padded,
+    nested_concat,
+    nested_map,
+    nested_pad_concat,
+    pad_concat,
+    select_rows,
+    to_host,
+    to_numpy,
+    world_size,
+)
+
+__all__ = [
+    "EvalCollector",
+    "EvalLoopOutput",
+    "EvalPrediction",
+    "PredictionOutput",
+    "hf_prediction_step",
+    "metric_number",
+    "nested_concat",
+    "pad_concat",
+    "prefix_metrics",
+]
+
+
+class EvalPrediction:
+    """What ``compute_metrics`` receives (HF's ``transformers.EvalPrediction``).
+
+    Unpacks as ``predictions, label_ids`` (plus ``inputs`` / ``losses`` when they were collected).
+
+    Example:
+        >>> import numpy as np
+        >>> p = EvalPrediction(np.array([[0.1, 0.9]]), np.array([1]))
+        >>> preds, labels = p
+        >>> int(preds.argmax(-1)[0] == labels[0])
+        1
+    """
+
+    def __init__(self, predictions: Nested, label_ids: Nested, inputs: Nested = None, losses: Any = None) -> None:
+        self.predictions = predictions
+        self.label_ids = label_ids
+        self.inputs = inputs
+        self.losses = losses
+        extras = tuple(x for x in (inputs, losses) if x is not None)
+        self._elements = (predictions, label_ids, *extras)
+
+    def __iter__(self) -> Any:
+        return iter(self._elements)
+
+    def __getitem__(self, index: int) -> Any:
+        return self._elements[index]
+
+    def __len__(self) -> int:
+        return len(self._elements)
+
+
+class PredictionOutput(NamedTuple):
+    """What ``predict`` returns (HF field names)."""
+
+    predictions: Nested
+    label_ids: Nested
+    metrics: dict[str, Any] | None
+
+
+class EvalLoopOutput(NamedTuple):
+    """Everything one eval / predict pass collected (HF's ``EvalLoopOutput``)."""
+
+    predictions: Nested
+    label_ids: Nested
+    metrics: dict[str, Any]
+    num_samples: int
+
+
+MetricsFn = Callable[[EvalPrediction], Mapping[str, Any]]
+PreprocessFn = Callable[[Any, Any], Any]
+
+
+def metric_number(key: str, value: Any) -> float | int:
+    """A metric value as a Python number; numpy / tensor scalars are unwrapped, anything else is an error."""
+    if isinstance(value, torch.Tensor | np.ndarray | np.generic) and np.size(value) == 1:
+        value = value.item()
+    if isinstance(value, bool | numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(
+        f"metric {key!r} is {type(value).__name__} {value!r:.80}; metrics must be numbers "
+        "(int, float, a numpy scalar or a one-element tensor)"
+    )
+
+
+def prefix_metrics(metrics: Any, prefix: str, *, source: str = "compute_metrics") -> dict[str, float | int]:
+    """Check ``metrics`` is a str -> number mapping and prefix its keys with ``{prefix}_`` (HF rule)."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"{source} must return a dict of metric name -> number, got {type(metrics).__name__}")
+    out: dict[str, float | int] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{source} returned a non-string metric name {key!r}")
+        name = key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"
+        out[name] = metric_number(key, value)
+    return out
+
+
+def hf_prediction_step(ignore_keys: list[str] | None = None) -> Callable[..., tuple[Any, Any, Any]]:
+    """A ``prediction_step`` hook that picks logits like HF: every output but the loss and ``ignore_keys``.
+
+    Dict / ModelOutput outputs give the tuple of their other entries (one entry: that tensor);
+    tuple outputs drop a leading scalar loss. Use with ``engine.set_hook("prediction_step", ...)``.
+    """
+    ignored = set(ignore_keys or ()) | {"loss"}
+
+    def prediction_step(model: torch.nn.Module, batch: Any, forward: Any, compute_loss: Any, label_names: Any) -> Any:
+        from trainbus.hooks import get_labels
+
+        outputs = forward(model, batch)
+        labels = get_labels(batch, tuple(label_names))
+        loss = None if labels is None else compute_loss(outputs, batch).detach()
+        if isinstance(outputs, Mapping):
+            logits: Any = tuple(v for k, v in outputs.items() if k not in ignored and v is not None)
+        elif isinstance(outputs, list | tuple):
+            has_loss = bool(outputs) and isinstance(outputs[0], torch.Tensor) and outputs[0].dim() == 0
+            logits = tuple(outputs[1:] if has_loss else outputs)
+        else:
+            logits = outputs
+        if isinstance(logits, tuple) and len(logits) == 1:
+            logits = logits[0]
+        return loss, nested_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, logits), labels
+
+    return prediction_step
+
+
+@dataclass
+class _Pass:
+    """What one eval / predict pass has collected so far."""
+
+    prefix: str
+    started: float
+    layout: ShardLayout | None
+    batches: int = 0
+    samples: int = 0  # local samples seen (for the shard offset)
+    loss_sum: torch.Tensor | None = None  # on device; single-process loss only
+    loss_count: int = 0
+    device: dict[str, list[Any]] = field(default_factory=dict)  # name -> chunks not yet moved to the host
+    host: dict[str, list[Any]] = field(default_factory=dict)
+    positions: list[torch.Tensor] = field(default_factory=list)  # distributed: global position of every row
+
+
+class EvalCollector(Plugin):
+    """Collects losses, predictions and labels over the eval / predict loop and computes the metrics.
+
+    Args:
+        compute_metrics: ``fn(EvalPrediction) -> dict`` of numbers; keys get the ``{prefix}_`` prefix.
+        preprocess_logits_for_metrics: ``fn(logits, labels) -> logits`` applied per batch, on the device.
+        eval_accumulation_steps: move what is collected to the CPU every n batches (None: at the end).
+        prediction_loss_only: keep only the loss (no predictions, no compute_metrics).
+        include_inputs: pass the inputs (``batch[input_name]`` / ``batch[0]``) to compute_metrics.
+        include_losses: pass the per-sample batch losses to compute_metrics (HF ``include_for_metrics=["loss"]``).
+        input_name: key of the inputs in dict batches.
+        padding_index: fill value of ragged dimensions.
+
+    ``engine.evaluate()`` returns the metrics; ``engine.predict(data)`` returns a ``PredictionOutput``
+    with ``test_`` metrics. ``last`` holds the ``EvalLoopOutput`` of the latest pass.
+
+    Example:
+        >>> import torch
+        >>> from trainbus.engine import Engine
+        >>> model = torch.nn.Linear(2, 3)
+        >>> data = [(torch.randn(4, 2), torch.tensor([0, 1, 2, 0])), (torch.randn(3, 2), torch.tensor([1, 1, 2]))]
+        >>> acc = lambda p: {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+        >>> engine = Engine(model, loss_fn=torch.nn.CrossEntropyLoss(), plugins=[EvalCollector(acc)])
+        >>> sorted(engine.evaluate(data))[:2]
+        ['eval_accuracy', 'eval_loss']
+        >>> engine.predict(data).predictions.shape
+        (7, 3)
+    """
+
+    priority = Priority.PRODUCER
+
+    def __init__(
+        self,
+        compute_metrics: MetricsFn | None = None,
+        preprocess_logits_for_metrics: PreprocessFn | None = None,
+        eval_accumulation_steps: int | None = None,
+        prediction_loss_only: bool = False,
+        include_inputs: bool = False,
+        include_losses: bool = False,
+        input_name: str = "input_ids",
+        padding_index: int = -100,
+    ) -> None:
+        for name, fn in (
+            ("compute_metrics", compute_metrics),
+            ("preprocess_logits_for_metrics", preprocess_logits_for_metrics),
+        ):
+            if fn is not None and not callable(fn):
+                raise ConfigError(f"{name} must be a function or None, got {type(fn).__name__}")
+        if eval_accumulation_steps is not None and (
+            isinstance(eval_accumulation_steps, bool)
+            or not isinstance(eval_accumulation_steps, int)
+            or eval_accumulation_steps < 1
+        ):
+            raise ConfigError(
+                f"eval_accumulation_steps must be None or an integer >= 1, got {eval_accumulation_steps!r}"
+            )
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.eval_accumulation_steps = eval_accumulation_steps
+        self.prediction_loss_only = prediction_loss_only
+        self.include_inputs = include_inputs
+        self.include_losses = include_losses
+        self.input_name = input_name
+        self.padding_index = padding_index
+        self.last: EvalLoopOutput | None = None
+        self._pass: _Pass | None = None
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, Event.EVAL_START, self.eval_start)
+        self.on(engine, Event.EVAL_BATCH_END, self.eval_batch_end)
+        self.on(engine, Event.EVAL_END, self.eval_end)
+        self.on(engine, Event.PREDICT_START, self.predict_start)
+        self.on(engine, Event.PREDICT_BATCH_END, self.predict_batch_end)
+        self.on(engine, Event.PREDICT_END, self.predict_end)
+
+    # -- handlers ----------------------------------------------------------------------------------
+    def eval_start(self, ev: EvalStartEvent) -> None:
+        self._start(ev.dataloader, ev.prefix)
+
+    def eval_batch_end(self, ev: EvalBatchEndEvent) -> None:
+        self._collect(ev.batch, ev.loss, ev.logits, ev.labels)
+
+    def eval_end(self, ev: EvalEndEvent) -> None:
+        ev.metrics.update(self._finish(ev.engine).metrics)
+
+    def predict_start(self, ev: PredictStartEvent) -> None:
+        self._start(ev.dataloader, "test")
+
+    def predict_batch_end(self, ev: PredictBatchEndEvent) -> None:
+        self._collect(ev.batch, ev.loss, ev.logits, ev.labels)
+
+    def predict_end(self, ev: PredictEndEvent) -> None:
+        out = self._finish(ev.engine)
+        ev.metrics.update(out.metrics)
+        ev.output = PredictionOutput(out.predictions, out.label_ids, ev.metrics)
+
+    # -- the pass ----------------------------------------------------------------------------------
+    def _start(self, dataloader: Any, prefix: str) -> None:
+        if data_length(dataloader) == 0:
+            raise ConfigError(f"the {prefix!r} dataset is empty (length 0): evaluation needs at least one batch")
+        self._pass = _Pass(prefix, time.perf_counter(), ShardLayout.of(dataloader))
+
+    def _collect(self, batch: Any, loss: Any, logits: Any, labels: Any) -> None:
+        run = self._pass
+        assert run is not None, "EVAL_BATCH_END without EVAL_START"
+        size = batch_size_of(batch)
+        if size == 0:
+            size = _leading_size(labels if labels is not None else logits)
+        distributed = world_size() > 1
+        parts: dict[str, Any] = {}
+        if loss is not None:
+            loss = loss.detach()
+            loss = loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+            if distributed or self.include_losses:
+                parts["losses"] = loss.reshape(()).expand(size)  # HF: loss.repeat(batch_size)
+            if not distributed:
+                weighted = loss * size  # mean losses weighted by batch size = the loss of the whole set
+                run.loss_sum = weighted if run.loss_sum is None else run.loss_sum + weighted
+                run.loss_count += size
+        if not self.prediction_loss_only:
+            if logits is not None and self.preprocess_logits_for_metrics is not None:
+                logits = self.preprocess_logits_for_metrics(logits, labels)
+            parts["predictions"] = logits
+            parts["label_ids"] = labels
+            if self.include_inputs:
+                parts["inputs"] = _inputs_of(batch, self.input_name)
+        parts = {k: v for k, v in parts.items() if v is not None}
+        if distributed:
+            parts = gather_padded(parts, self.padding_index)
+            if run.layout is not None:
+                run.positions.append(run.layout.gathered_positions(run.samples, size))
+        for name, value in parts.items():
+            run.device.setdefault(name, []).append(value)
+        run.batches += 1
+        run.samples += size
+        if self.eval_accumulation_steps and run.batches % self.eval_accumulation_steps == 0:
+            self._move_to_host(run)
+
+    def _move_to_host(self, run: _Pass) -> None:
+        for name, chunks in run.device.items():
+            if chunks:
+                run.host.setdefault(name, []).append(to_host(nested_pad_concat(chunks, self.padding_index)))
+        run.device = {}
+
+    def _finish(self, engine: Engine) -> EvalLoopOutput:
+        run = self._pass
+        assert run is not None, "EVAL_END without EVAL_START"
+        self._pass = None
+        if run.batches == 0:
+            raise ConfigError(f"the {run.prefix!r} dataset yielded no batches: evaluation needs at least one")
+        self._move_to_host(run)
+        arrays = {name: nested_pad_concat(chunks, self.padding_index) for name, chunks in run.host.items()}
+        num_samples = run.samples * world_size()
+        if run.positions:  # drop the sampler's repeated samples and restore the dataset order
+            positions = torch.cat(run.positions)
+            real = torch.nonzero(positions < run.layout.dataset_size).reshape(-1)  # type: ignore[union-attr]
+            order = real[torch.argsort(positions[real])]
+            arrays = {name: select_rows(value, order) for name, value in arrays.items()}
+            num_samples = int(order.numel())
+        arrays = to_numpy(arrays)
+        prefix = run.prefix
+        metrics: dict[str, Any] = {}
+        if run.loss_sum is not None:
+            metrics[f"{prefix}_loss"] = float((run.loss_sum / run.loss_count).item())  # the pass's one host sync
+        elif "losses" in arrays:  # distributed: per-sample losses, padding duplicates dropped
+            metrics[f"{prefix}_loss"] = float(np.mean(arrays["losses"]))
+        predictions, label_ids = arrays.get("predictions"), arrays.get("label_ids")
+        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
+            prediction = EvalPrediction(
+                predictions,
+                label_ids,
+                arrays.get("inputs") if self.include_inputs else None,
+                arrays.get("losses") if self.include_losses else None,
+            )
+            metrics.update(prefix_metrics(self.compute_metrics(prediction), prefix))
+        runtime = time.perf_counter() - run.started
+        metrics[f"{prefix}_runtime"] = round(runtime, 4)
+        metrics[f"{prefix}_samples_per_second"] = round(num_samples / runtime, 3) if runtime > 0 else math.inf
+        metrics[f"{prefix}_steps_per_second"] = round(run.batches / runtime, 3) if runtime > 0 else math.inf
+        self.last = EvalLoopOutput(predictions, label_ids, metrics, num_samples)
+        return self.last
+
+
+def _leading_size(data: Nested) -> int:
+    """Rows of the first tensor in a nested output (0 when there is none)."""
+    if isinstance(data, torch.Tensor):
+        return int(data.shape[0]) if data.dim() else 1
+    if isinstance(data, Mapping):
+        data = list(data.values())
+    if isinstance(data, list | tuple):
+        for item in data:
+            n = _leading_size(item)
+            if n:
+                return n
+    return 0
+
+
+def _inputs_of(batch: Any, input_name: str) -> Any:
+    """The model inputs of a batch, as HF's ``include_for_metrics=["inputs"]`` takes them."""
+    if isinstance(batch, Mapping):
+        return batch.get(input_name)
+    if isinstance(batch, list | tuple) and batch:
+        return batch[0]
+    return batch if isinstance(batch, torch.Tensor) else None
