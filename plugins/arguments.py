@@ -1,0 +1,409 @@
+"""TrainingArguments: Hugging Face's field names and defaults for everything trainbus supports.
+
+A field HF has but trainbus does not support raises ``ConfigError`` when it is set to anything but
+HF's default (a script that passes the default keeps working); a misspelt field raises with the
+closest names. Values are checked in ``__post_init__`` so a bad run fails before its first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainbus.engine import ConfigError
+from trainbus.engine.errors import suggest
+
+
+class IntervalStrategy(str, enum.Enum):
+    """When logging / evaluation happen (HF ``IntervalStrategy``); members compare equal to their strings."""
+
+    NO = "no"
+    STEPS = "steps"
+    EPOCH = "epoch"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SaveStrategy(str, enum.Enum):
+    """When checkpoints are written (HF ``SaveStrategy``): also ``"best"``, after a new best metric."""
+
+    NO = "no"
+    STEPS = "steps"
+    EPOCH = "epoch"
+    BEST = "best"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: HF fields trainbus does not implement, with HF's default: passing the default is accepted
+#: (it changes nothing), any other value raises. A hint names the trainbus way when there is one.
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "optim_target_modules": (None, "GaLore / APOLLO target modules are not supported"),
+    "tf32": (None, "set torch.backends.cuda.matmul.allow_tf32 yourself"),
+    "activation_checkpointing": (None, "use gradient_checkpointing"),
+    "activation_checkpointing_kwargs": (None, "use gradient_checkpointing_kwargs"),
+    "use_liger_kernel": (False, ""),
+    "liger_kernel_config": (None, ""),
+    "use_cache": (False, ""),
+    "torch_empty_cache_steps": (None, ""),
+    "auto_find_batch_size": (False, "not supported yet (mission D4)"),
+    "project": ("huggingface", ""),
+    "trackio_space_id": (None, ""),
+    "trackio_bucket_id": (None, ""),
+    "trackio_static_space_id": (None, ""),
+    "eval_use_gather_object": (False, ""),
+    "batch_eval_metrics": (False, "compute_metrics runs once over the whole eval set"),
+    "save_on_each_node": (False, "only the main process saves"),
+    "enable_jit_checkpoint": (False, ""),
+    "push_to_hub": (False, "trainbus never uploads"),
+    "hub_token": (None, ""),
+    "hub_private_repo": (None, ""),
+    "hub_model_id": (None, ""),
+    "hub_strategy": ("every_save", ""),
+    "hub_always_push": (False, ""),
+    "hub_revision": (None, ""),
+    "accelerator_config": (None, "configure accelerate with `accelerate config`"),
+    "parallelism_config": (None, ""),
+    "dataloader_multiprocessing_context": (None, ""),
+    "dataloader_in_order": (True, ""),
+    "train_sampling_strategy": ("random", ""),
+    "group_by_length": (False, ""),
+    "length_column_name": ("length", ""),
+    "ddp_find_unused_parameters": (None, ""),
+    "ddp_bucket_cap_mb": (None, ""),
+    "ddp_broadcast_buffers": (None, ""),
+    "ddp_static_graph": (None, ""),
+    "ddp_backend": (None, "launch with `accelerate launch`"),
+    "ddp_timeout": (1800, ""),
+    "fsdp": (None, "use accelerate's FSDP config"),
+    "fsdp_config": (None, "use accelerate's FSDP config"),
+    "deepspeed": (None, "use accelerate's DeepSpeed config"),
+    "debug": ("", ""),
+    "local_rank": (-1, "the process index comes from accelerate"),
+    "evaluation_strategy": (None, "renamed eval_strategy in transformers 4.46"),
+    "no_cuda": (False, "renamed use_cpu"),
+    "use_mps_device": (False, ""),
+    "use_ipex": (False, ""),
+    "jit_mode_eval": (False, ""),
+    "half_precision_backend": ("auto", ""),
+    "tpu_num_cores": (None, ""),
+    "past_index": (-1, ""),
+    "include_inputs_for_metrics": (False, "renamed include_for_metrics"),
+    "adafactor": (False, "use optim='adafactor'"),
+    "torchdynamo": (None, "use torch_compile"),
+    "use_legacy_prediction_loop": (False, ""),
+    "ray_scope": ("last", ""),
+    "mp_parameters": ("", ""),
+    "dispatch_batches": (None, ""),
+    "split_batches": (None, ""),
+    "fp16_opt_level": ("O1", ""),
+    "fp16_backend": ("auto", ""),
+    "bf16_full_eval": (False, "not supported yet"),
+    "fp16_full_eval": (False, "not supported yet"),
+    "save_safetensors": (True, "checkpoints are always safetensors (no pickle)"),
+}
+
+
+@dataclass
+class TrainingArguments:
+    """The arguments of a run, named and defaulted as in ``transformers.TrainingArguments``.
+
+    Only fields trainbus implements exist; HF fields listed in ``UNSUPPORTED`` raise when set to a
+    non-default value. ``do_train`` / ``do_eval`` / ``do_predict``, ``overwrite_output_dir``,
+    ``run_name``, ``logging_dir`` and the ``log_level*`` fields are accepted for scripts and, as in
+    HF's Trainer, change nothing in training.
+
+    Example:
+        >>> from trainbus.plugins.arguments import TrainingArguments
+        >>> args = TrainingArguments("out", eval_strategy="steps", logging_steps=10)
+        >>> args.eval_steps, args.train_batch_size
+        (10, 8)
+        >>> TrainingArguments("out", learning_rat=1e-3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        trainbus.engine.errors.ConfigError: ... unknown argument 'learning_rat'; did you mean 'learning_rate'?
+    """
+
+    output_dir: str | None = None
+    overwrite_output_dir: bool = False
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    learning_rate: float = 5e-5
+    lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+    warmup_steps: float = 0
+    warmup_ratio: float = 0.0
+    optim: str = "adamw_torch_fused"
+    optim_args: str | None = None
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    gradient_accumulation_steps: int = 1
+    average_tokens_across_devices: bool = True
+    max_grad_norm: float = 1.0
+    label_smoothing_factor: float = 0.0
+    bf16: bool = False
+    fp16: bool = False
+    gradient_checkpointing: bool | None = None
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    torch_compile: bool = False
+    torch_compile_backend: str | None = None
+    torch_compile_mode: str | None = None
+    neftune_noise_alpha: float | None = None
+    logging_strategy: str = "steps"
+    logging_steps: float = 500
+    logging_first_step: bool = False
+    logging_nan_inf_filter: bool = True
+    logging_dir: str | None = None
+    log_level: str = "passive"
+    log_level_replica: str = "warning"
+    log_on_each_node: bool = True
+    include_num_input_tokens_seen: str | bool = "no"
+    disable_tqdm: bool | None = None
+    report_to: str | list[str] | None = "none"
+    run_name: str | None = None
+    eval_strategy: str = "no"
+    eval_steps: float | None = None
+    eval_delay: float = 0
+    eval_on_start: bool = False
+    prediction_loss_only: bool = False
+    eval_accumulation_steps: int | None = None
+    eval_do_concat_batches: bool = True
+    include_for_metrics: list[str] = field(default_factory=list)
+    save_strategy: str = "steps"
+    save_steps: float = 500
+    save_total_limit: int | None = None
+    save_only_model: bool = False
+    load_best_model_at_end: bool = False
+    metric_for_best_model: str | None = None
+    greater_is_better: bool | None = None
+    ignore_data_skip: bool = False
+    restore_callback_states_from_checkpoint: bool = False
+    seed: int = 42
+    data_seed: int | None = None
+    full_determinism: bool = False
+    use_cpu: bool = False
+    dataloader_drop_last: bool = False
+    dataloader_num_workers: int = 0
+    dataloader_pin_memory: bool = True
+    dataloader_persistent_workers: bool = False
+    dataloader_prefetch_factor: int | None = None
+    remove_unused_columns: bool = True
+    label_names: list[str] | None = None
+    skip_memory_metrics: bool = True
+    resume_from_checkpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"  # HF 5 default
+        self.output_dir = os.path.expanduser(str(self.output_dir))
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = False
+        if self.disable_tqdm is None:
+            self.disable_tqdm = False
+        if isinstance(self.include_num_input_tokens_seen, bool):
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        _one_of("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("no", "all", "non_padding"))
+        self.logging_strategy = _strategy("logging_strategy", self.logging_strategy, IntervalStrategy)
+        self.eval_strategy = _strategy("eval_strategy", self.eval_strategy, IntervalStrategy)
+        self.save_strategy = _strategy("save_strategy", self.save_strategy, SaveStrategy)
+        self.report_to = _report_to(self.report_to)
+        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("{"):  # CLI JSON, as HF parses it
+                setattr(self, name, json.loads(value))
+        self._check_numbers()
+        self._check_steps()
+        self._check_best_model()
+        if self.fp16 and self.bf16:
+            raise ConfigError("at most one of fp16 and bf16 can be True, got both")
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _check_numbers(self) -> None:
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            _positive_int(name, getattr(self, name))
+        if self.max_steps != -1:
+            _positive_int("max_steps (or -1 to use num_train_epochs)", self.max_steps)
+        if self.max_steps == -1 and not self.num_train_epochs > 0:
+            raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs!r}")
+        if self.save_total_limit is not None:
+            _positive_int("save_total_limit (or None to keep every checkpoint)", self.save_total_limit)
+        if self.eval_accumulation_steps is not None:
+            _positive_int("eval_accumulation_steps", self.eval_accumulation_steps)
+        if not 0.0 <= self.warmup_ratio <= 1.0:
+            raise ConfigError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio!r}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be >= 0 (a float < 1 is a ratio), got {self.warmup_steps!r}")
+        if not 0.0 <= self.label_smoothing_factor < 1.0:
+            raise ConfigError(f"label_smoothing_factor must be in [0, 1), got {self.label_smoothing_factor!r}")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise ConfigError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm!r}")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers!r}")
+        if self.neftune_noise_alpha is not None and self.neftune_noise_alpha <= 0:
+            raise ConfigError(f"neftune_noise_alpha must be > 0 or None, got {self.neftune_noise_alpha!r}")
+
+    def _check_steps(self) -> None:
+        if self.eval_strategy == IntervalStrategy.STEPS and not self.eval_steps:
+            if self.logging_steps > 0:
+                self.eval_steps = self.logging_steps  # HF falls back to logging_steps
+            else:
+                raise ConfigError("eval_strategy='steps' needs eval_steps > 0 or logging_steps > 0")
+        for name, strategy in (
+            ("logging_steps", self.logging_strategy),
+            ("eval_steps", self.eval_strategy),
+            ("save_steps", self.save_strategy),
+        ):
+            value = getattr(self, name)
+            if strategy != "steps":
+                continue
+            if value is None or not value > 0:
+                raise ConfigError(f"{name} must be > 0 with {name.replace('steps', 'strategy')}='steps', got {value!r}")
+            if value > 1:
+                if value != int(value):
+                    raise ConfigError(f"{name} must be an integer when > 1 (a float < 1 is a ratio), got {value!r}")
+                setattr(self, name, int(value))
+
+    def _check_best_model(self) -> None:
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.save_strategy == SaveStrategy.BEST and self.metric_for_best_model is None:
+            raise ConfigError("save_strategy='best' needs metric_for_best_model (e.g. 'loss' or 'accuracy')")
+        if not self.load_best_model_at_end or self.save_strategy == SaveStrategy.BEST:
+            return
+        if self.eval_strategy == IntervalStrategy.NO:
+            raise ConfigError("load_best_model_at_end=True needs an eval_strategy other than 'no'")
+        if self.eval_strategy.value != self.save_strategy.value:
+            raise ConfigError(
+                "load_best_model_at_end requires the save and eval strategy to match (or save_strategy='best'), "
+                f"got eval_strategy={self.eval_strategy.value!r}, save_strategy={self.save_strategy.value!r}"
+            )
+        if self.eval_strategy == IntervalStrategy.STEPS:
+            assert self.eval_steps is not None
+            ratio = self.save_steps / self.eval_steps
+            if abs(ratio - round(ratio)) > 1e-9 or round(ratio) < 1:
+                raise ConfigError(
+                    "load_best_model_at_end requires save_steps to be a multiple of eval_steps, "
+                    f"got save_steps={self.save_steps}, eval_steps={self.eval_steps}"
+                )
+
+    # -- HF conveniences ------------------------------------------------------------------------
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def process_index(self) -> int:
+        return 0
+
+    @property
+    def local_process_index(self) -> int:
+        return 0
+
+    @property
+    def n_gpu(self) -> int:
+        return 0 if self.use_cpu else int(__import__("torch").cuda.device_count() > 0)
+
+    @property
+    def should_save(self) -> bool:
+        return True
+
+    @property
+    def should_log(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> Any:
+        import torch
+
+        return torch.device("cuda" if torch.cuda.is_available() and not self.use_cpu else "cpu")
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Warmup steps as HF computes them: warmup_steps (a ratio when < 1), else warmup_ratio."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        if self.warmup_steps > 0:
+            return math.ceil(num_training_steps * self.warmup_steps)
+        return math.ceil(num_training_steps * self.warmup_ratio)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in data.items()}
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingArguments))
+_dataclass_init = TrainingArguments.__init__
+
+
+def _checked_init(self: TrainingArguments, *args: Any, **kwargs: Any) -> None:
+    """Reject HF fields trainbus lacks and misspelt names before the dataclass sees them."""
+    for name in list(kwargs):
+        if name in _FIELDS:
+            continue
+        if name in UNSUPPORTED:
+            default, hint = UNSUPPORTED[name]
+            if kwargs[name] == default:
+                del kwargs[name]  # the HF default changes nothing: accept it so ported scripts run
+                continue
+            raise ConfigError(
+                f"TrainingArguments: {name}={kwargs[name]!r} is a transformers argument that trainbus does not "
+                f"support{' (' + hint + ')' if hint else ''}; remove it or set it to {default!r}"
+            )
+        raise ConfigError(
+            f"TrainingArguments got an unknown argument {name!r}{suggest(name, _FIELDS + tuple(UNSUPPORTED))}"
+        )
+    _dataclass_init(self, *args, **kwargs)
+
+
+TrainingArguments.__init__ = _checked_init  # type: ignore[method-assign]
+
+
+def _strategy(name: str, value: Any, kind: type[enum.Enum]) -> Any:
+    allowed = [m.value for m in kind]  # type: ignore[attr-defined]
+    raw = value.value if isinstance(value, enum.Enum) else value
+    if raw not in allowed:
+        raise ConfigError(f"{name} must be one of {allowed}, got {value!r}{suggest(str(raw), allowed)}")
+    return kind(raw)
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _report_to(value: Any) -> list[str]:
+    if value is None or value == "none" or value == ["none"]:
+        return []
+    names = [value] if isinstance(value, str) else list(value)
+    return [str(n) for n in names]

@@ -1,0 +1,338 @@
+"""HF ``TrainerCallback`` compatibility: callbacks written for transformers run unchanged.
+
+``CallbackAdapter`` is a plugin that calls HF-style callbacks at the HF-equivalent events, with
+HF's arguments ``(args, state, control, **kwargs)`` and kwargs (model, processing_class, optimizer,
+lr_scheduler, train_dataloader, eval_dataloader, plus metrics / logs). ``state`` and ``control`` are
+the engine's own State and Control, which carry HF's attribute names; a control object a callback
+returns is honoured. Where the events fire::
+
+    on_init_end            end of Trainer.__init__
+    on_train_begin         TRAIN_START               on_epoch_begin      EPOCH_START
+    on_step_begin          STEP_START                on_substep_end      BACKWARD_END (not the last micro-batch)
+    on_pre_optimizer_step  BEFORE_OPTIMIZER_STEP (after clipping)
+    on_optimizer_step      OPTIMIZER_STEP (or STEP_END when the step was skipped, as HF calls it anyway)
+    on_step_end            STEP_END (after FlowControl set the flags)
+    on_log                 LOG (after state.log_history got the record)
+    on_prediction_step     EVAL_BATCH_END / PREDICT_BATCH_END
+    on_evaluate            EVAL_END (after the metrics were logged, before the best metric is updated)
+    on_predict             PREDICT_END               on_save             SAVE (after the checkpoint is written)
+    on_epoch_end           EPOCH_END                 on_train_end        TRAIN_END
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from trainbus.engine import Event, Plugin, Priority
+
+if TYPE_CHECKING:
+    from trainbus.engine import Engine
+
+logger = logging.getLogger("trainbus.plugins")
+
+CONTROL_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
+
+CALLBACK_EVENTS = (
+    "on_init_end",
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_step_begin",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_substep_end",
+    "on_step_end",
+    "on_evaluate",
+    "on_predict",
+    "on_save",
+    "on_log",
+    "on_prediction_step",
+)
+
+
+class TrainerCallback:
+    """Base class of HF-style callbacks: every ``on_*`` method does nothing; override the ones you need.
+
+    Each method gets ``(args, state, control, **kwargs)`` and may change ``control`` (or return it).
+
+    Example:
+        >>> class StopAtStep3(TrainerCallback):
+        ...     def on_step_end(self, args, state, control, **kwargs):
+        ...         if state.global_step == 3:
+        ...             control.should_training_stop = True
+    """
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """At the end of the Trainer's ``__init__``."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """At the beginning of training."""
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """At the end of training."""
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """At the beginning of an epoch."""
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """At the end of an epoch."""
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """At the beginning of an optimizer step (a window of accumulated micro-batches)."""
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """After gradient clipping, before the optimizer steps."""
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """After the optimizer step, before the gradients are zeroed."""
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """After each micro-batch of a window but the last."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """At the end of an optimizer step."""
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """After an evaluation (kwargs: metrics)."""
+
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any, **kwargs: Any) -> Any:
+        """After a successful prediction."""
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """After a checkpoint save."""
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """After logging (kwargs: logs)."""
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """After each evaluation / prediction batch."""
+
+
+class CallbackAdapter(Plugin):
+    """Drives HF-style callbacks (``TrainerCallback`` subclasses, transformers' own, or duck-typed objects).
+
+    Args:
+        callbacks: callback instances or classes (classes are instantiated, as HF does).
+        args: the ``TrainingArguments`` the callbacks see (a default one when None).
+        processing_class: passed to callbacks as ``processing_class``.
+
+    Example:
+        >>> from trainbus.plugins.callbacks import CallbackAdapter, TrainerCallback
+        >>> adapter = CallbackAdapter([TrainerCallback()])
+    """
+
+    def __init__(self, callbacks: Iterable[Any] = (), args: Any = None, processing_class: Any = None) -> None:
+        if args is None:
+            from .arguments import TrainingArguments
+
+            args = TrainingArguments()
+        self.args = args
+        self.processing_class = processing_class
+        self.callbacks: list[Any] = []
+        self.eval_dataloader: Any = None
+        self._engine: Engine | None = None
+        for cb in callbacks:
+            self.add_callback(cb)
+
+    # -- the list (HF CallbackHandler's API) -------------------------------------------------------
+    def add_callback(self, callback: Any) -> Any:
+        cb = callback() if isinstance(callback, type) else callback
+        if not any(callable(getattr(cb, name, None)) for name in CALLBACK_EVENTS):
+            raise TypeError(
+                f"{type(cb).__name__} has none of the TrainerCallback methods ({', '.join(CALLBACK_EVENTS)})"
+            )
+        if any(type(c) is type(cb) for c in self.callbacks):
+            logger.warning("adding a second %s to the callbacks", type(cb).__name__)
+        self.callbacks.append(cb)
+        return cb
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove and return the first callback of that class, or that instance; None when absent."""
+        for cb in self.callbacks:
+            if (isinstance(callback, type) and isinstance(cb, callback)) or cb is callback:
+                self.callbacks.remove(cb)
+                return cb
+        return None
+
+    def remove_callback(self, callback: Any) -> None:
+        self.pop_callback(callback)
+
+    @property
+    def callback_list(self) -> str:
+        return "\n".join(type(cb).__name__ for cb in self.callbacks)
+
+    # -- calling -----------------------------------------------------------------------------------
+    def call_event(self, event: str, engine: Engine, **extra: Any) -> None:
+        """Call ``event`` on every callback with HF's arguments; a returned control is honoured."""
+        control = engine.control
+        kwargs = {
+            "model": engine.model,
+            "processing_class": self.processing_class,
+            "optimizer": engine.optimizer,
+            "lr_scheduler": _lr_scheduler(engine),
+            "train_dataloader": engine.train_data,
+            "eval_dataloader": self.eval_dataloader,
+            **extra,
+        }
+        for cb in list(self.callbacks):
+            method = getattr(cb, event, None)
+            if method is None:
+                continue  # duck-typed callbacks may implement only some events
+            result = method(self.args, engine.state, control, **kwargs)
+            if result is not None and result is not control:
+                for flag in CONTROL_FLAGS:
+                    if hasattr(result, flag):
+                        setattr(control, flag, bool(getattr(result, flag)))
+
+    def init_end(self, engine: Engine) -> None:
+        """Fire ``on_init_end`` (the Trainer calls this at the end of its ``__init__``)."""
+        self.call_event("on_init_end", engine)
+
+    def attach(self, engine: Engine) -> None:
+        self._engine = engine
+        simple = (
+            (Event.TRAIN_START, "on_train_begin", Priority.DEFAULT),
+            (Event.EPOCH_START, "on_epoch_begin", Priority.DEFAULT),
+            (Event.STEP_START, "on_step_begin", Priority.DEFAULT),
+            (Event.BEFORE_OPTIMIZER_STEP, "on_pre_optimizer_step", Priority.CONSUMER),
+            (Event.OPTIMIZER_STEP, "on_optimizer_step", Priority.PRODUCER),  # before the scheduler steps, as in HF
+            (Event.EPOCH_END, "on_epoch_end", Priority.DEFAULT),
+            (Event.TRAIN_END, "on_train_end", Priority.DEFAULT),
+            (Event.EVAL_BATCH_END, "on_prediction_step", Priority.CONSUMER),
+            (Event.PREDICT_BATCH_END, "on_prediction_step", Priority.CONSUMER),
+            (Event.SAVE, "on_save", Priority.CONSUMER - 50),
+        )
+        for event, name, priority in simple:
+            self.on(engine, event, self._caller(name), priority=priority)
+        self.on(engine, Event.BACKWARD_END, self.substep_end)
+        self.on(engine, Event.STEP_END, self.step_end)
+        self.on(engine, Event.LOG, self.log, priority=Priority.CONSUMER)
+        self.on(engine, Event.EVAL_START, self.eval_start)
+        # after the eval metrics are logged (DEFAULT) and before a best-metric keeper updates the state
+        self.on(engine, Event.EVAL_END, self.evaluate, priority=Priority.DEFAULT - 10)
+        self.on(engine, Event.PREDICT_END, self.predict, priority=Priority.CONSUMER)
+
+    def _caller(self, name: str) -> Any:
+        def call(ev: Any) -> None:
+            self.call_event(name, ev.engine)
+
+        call.__name__ = name
+        return call
+
+    def substep_end(self, ev: Any) -> None:
+        if ev.micro_index < ev.window_size - 1:
+            self.call_event("on_substep_end", ev.engine)
+
+    def step_end(self, ev: Any) -> None:
+        if not ev.stepped:
+            self.call_event("on_optimizer_step", ev.engine)  # HF calls it even when AMP skipped the step
+        self.call_event("on_step_end", ev.engine)
+
+    def log(self, ev: Any) -> None:
+        if ev.logs:
+            self.call_event("on_log", ev.engine, logs=ev.logs)
+
+    def eval_start(self, ev: Any) -> None:
+        self.eval_dataloader = ev.dataloader
+
+    def evaluate(self, ev: Any) -> None:
+        self.call_event("on_evaluate", ev.engine, metrics=ev.metrics)
+
+    def predict(self, ev: Any) -> None:
+        self.call_event("on_predict", ev.engine, metrics=ev.metrics)
+
+    # -- state: HF ExportableState callbacks (e.g. early stopping) are checkpointed ---------------------
+    def state_dict(self) -> dict[str, Any]:
+        saved: dict[str, Any] = {}
+        for cb in self.callbacks:
+            exporter = getattr(cb, "state", None)
+            if callable(exporter):
+                saved.setdefault(type(cb).__name__, []).append(exporter())
+        return {"callbacks": saved}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("callbacks", {})
+        seen: dict[str, int] = {}
+        for cb in self.callbacks:
+            name = type(cb).__name__
+            if name in saved and callable(getattr(cb, "state", None)):
+                index = seen.get(name, 0)
+                seen[name] = index + 1
+                if index < len(saved[name]):
+                    for key, value in saved[name][index].get("attributes", {}).items():
+                        setattr(cb, key, value)
+
+
+def _lr_scheduler(engine: Engine) -> Any:
+    for plugin in engine.plugins:
+        scheduler = getattr(plugin, "scheduler", None)
+        if scheduler is not None and hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
+            return scheduler
+    return None
+
+
+class EarlyStoppingCallback(TrainerCallback):
+    """Stop when ``metric_for_best_model`` fails to improve for ``early_stopping_patience`` evaluations.
+
+    HF's class of that name, same arguments and rule: an evaluation improves when it beats
+    ``state.best_metric`` (kept by the best-metric plugin; updated after this callback runs) by more
+    than ``early_stopping_threshold``. Its counter is checkpointed through ``state()``.
+
+    Args:
+        early_stopping_patience: evaluations without improvement before stopping.
+        early_stopping_threshold: the improvement that counts.
+
+    Example:
+        >>> from trainbus.plugins.callbacks import EarlyStoppingCallback
+        >>> stopper = EarlyStoppingCallback(early_stopping_patience=2)
+    """
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0) -> None:
+        from trainbus.engine import ConfigError
+
+        if isinstance(early_stopping_patience, bool) or not isinstance(early_stopping_patience, int):
+            raise ConfigError(f"early_stopping_patience must be an integer >= 1, got {early_stopping_patience!r}")
+        if early_stopping_patience < 1:
+            raise ConfigError(f"early_stopping_patience must be an integer >= 1, got {early_stopping_patience!r}")
+        self.early_stopping_patience = early_stopping_patience
+        self.early_stopping_threshold = early_stopping_threshold or 0.0
+        self.early_stopping_patience_counter = 0
+
+    def check_metric_value(self, args: Any, state: Any, control: Any, metric_value: float) -> None:
+        best = state.best_metric
+        better = best is None or (
+            (metric_value > best if args.greater_is_better else metric_value < best)
+            and abs(metric_value - best) > self.early_stopping_threshold
+        )
+        self.early_stopping_patience_counter = 0 if better else self.early_stopping_patience_counter + 1
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        from trainbus.engine import ConfigError
+
+        if args.metric_for_best_model is None:
+            raise ConfigError("EarlyStoppingCallback needs TrainingArguments.metric_for_best_model")
+        if str(args.eval_strategy) == "no":
+            raise ConfigError("EarlyStoppingCallback needs an eval_strategy of 'steps' or 'epoch', got 'no'")
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> Any:
+        key = args.metric_for_best_model
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        value = (metrics or {}).get(key)
+        if value is None:
+            logger.warning("early stopping needs %r, which the evaluation did not produce; not stopping", key)
+            return
+        self.check_metric_value(args, state, control, float(value))
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
+            control.should_training_stop = True
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "args": {
+                "early_stopping_patience": self.early_stopping_patience,
+                "early_stopping_threshold": self.early_stopping_threshold,
+            },
+            "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
+        }

@@ -1,0 +1,147 @@
+"""Which plugins a ``Trainer`` gets from its ``TrainingArguments``: the facade is only composition.
+
+``build_plugins`` returns them in attach order; ``check_metric_for_best_model`` validates the
+metric name before training from a dry evaluation's key list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from trainbus.engine import ConfigError, Plugin
+
+from .accumulation import GradientAccumulation
+from .best_model import BestMetric, check_metric_key, expected_keys
+from .checkpoint import Checkpointing, LoadBestModelAtEnd
+from .clipping import GradientClipping
+from .data import ResumableData
+from .evaluation import EvalCollector, EvalPrediction
+from .flow import FlowControl
+from .logging import SINKS, TrainLogger
+from .model_setup import GradientCheckpointing, TorchCompile
+from .precision import MixedPrecision
+from .progress import Printer, ProgressBars
+from .regularization import LabelSmoothing, NEFTune
+from .schedulers import LRScheduler
+
+if TYPE_CHECKING:
+    from .arguments import TrainingArguments
+    from .trainer import Trainer
+
+
+def build_plugins(
+    trainer: Trainer, args: TrainingArguments, scheduler: Any, preprocess_logits_for_metrics: Any
+) -> list[Plugin]:
+    """The standard plugins for ``args``, in attach order (producers first, sinks last)."""
+    cls = type(trainer)
+    from .trainer import Trainer as Base
+
+    own_step = cls.training_step is not Base.training_step
+    own_loss = own_step or cls.compute_loss is not Base.compute_loss or trainer.compute_loss_func is not None
+    plugins: list[Plugin] = [ResumableData()]
+    if args.torch_compile:
+        compile_kwargs = {"backend": args.torch_compile_backend, "mode": args.torch_compile_mode}
+        plugins.append(TorchCompile(**{k: v for k, v in compile_kwargs.items() if v is not None}))
+    if args.gradient_checkpointing:
+        plugins.append(GradientCheckpointing(args.gradient_checkpointing_kwargs))
+    if args.fp16 or args.bf16:
+        plugins.append(MixedPrecision("fp16" if args.fp16 else "bf16"))
+    if args.gradient_accumulation_steps > 1:
+        if own_step:
+            # a custom training_step normalises its loss itself (HF's divides by the steps)
+            trainer.accumulation_steps = args.gradient_accumulation_steps
+        else:
+            plugins.append(GradientAccumulation(args.gradient_accumulation_steps))
+    if args.max_grad_norm:
+        plugins.append(GradientClipping(args.max_grad_norm))
+    if args.label_smoothing_factor and not own_loss:
+        plugins.append(LabelSmoothing(args.label_smoothing_factor))
+    if args.neftune_noise_alpha is not None:
+        plugins.append(NEFTune(args.neftune_noise_alpha))
+    plugins.append(
+        LRScheduler(
+            scheduler if scheduler is not None else str(args.lr_scheduler_type),
+            num_warmup_steps=args.warmup_steps,
+            warmup_ratio=args.warmup_ratio,
+            scheduler_kwargs=args.lr_scheduler_kwargs,
+            metric=args.metric_for_best_model or "loss",
+        )
+    )
+    plugins.append(
+        EvalCollector(
+            trainer.compute_metrics,
+            preprocess_logits_for_metrics,
+            args.eval_accumulation_steps,
+            args.prediction_loss_only,
+            include_inputs="inputs" in args.include_for_metrics,
+            include_losses="loss" in args.include_for_metrics,
+            input_name=getattr(trainer.model, "main_input_name", "input_ids"),
+        )
+    )
+    if args.metric_for_best_model is not None:
+        plugins.append(BestMetric(args.metric_for_best_model, args.greater_is_better))
+    if args.save_strategy != "no":
+        plugins.append(Checkpointing(args.output_dir, args.save_total_limit, args.metric_for_best_model))
+    if args.load_best_model_at_end:
+        plugins.append(LoadBestModelAtEnd())
+    plugins.append(FlowControl.from_args(args))
+    plugins.append(
+        TrainLogger(
+            args.logging_nan_inf_filter,
+            str(args.include_num_input_tokens_seen),
+            input_name=getattr(trainer.model, "main_input_name", "input_ids"),
+        )
+    )
+    plugins.append(Printer() if args.disable_tqdm else ProgressBars())
+    plugins.extend(_sinks(args))
+    return plugins
+
+
+def _sinks(args: TrainingArguments) -> list[Plugin]:
+    names = list(args.report_to or [])
+    if names == ["all"]:
+        names = [n for n in SINKS if n != "console"]
+    unknown = [n for n in names if n not in SINKS]
+    if unknown:
+        raise ConfigError(f"report_to has unknown sinks {unknown}; available: {sorted(SINKS)} (or 'none', 'all')")
+    return [SINKS[n](args) for n in names if not (n == "console" and args.disable_tqdm)]
+
+
+def dry_eval_keys(trainer: Trainer) -> list[str]:
+    """The metric keys an evaluation will produce, from one eval batch run through the eval step.
+
+    Computes compute_metrics on that single batch to learn its key names; costs one forward pass.
+    """
+    data = trainer.eval_data
+    first = next(iter(data.values())) if isinstance(data, Mapping) else data
+    batch = trainer.hooks.to_device(next(iter(first)), trainer.device)
+    was_training = trainer.model.training
+    trainer.model.eval()
+    try:
+        with torch.inference_mode():
+            loss, logits, labels = trainer.prediction_step(trainer.model, batch, False, None)
+    finally:
+        trainer.model.train(was_training)
+    names: list[str] = []
+    if trainer.compute_metrics is not None and logits is not None and labels is not None:
+        to_np = _to_numpy
+        results = trainer.compute_metrics(EvalPrediction(to_np(logits), to_np(labels)))
+        names = list(results or {})
+    return expected_keys(data, names, with_loss=loss is not None)
+
+
+def _to_numpy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy()
+    if isinstance(value, list | tuple):
+        return type(value)(_to_numpy(v) for v in value)
+    return np.asarray(value)
+
+
+def check_metric_for_best_model(trainer: Trainer, metric: str) -> str:
+    """Raise before training when ``metric`` is not among the keys a dry evaluation produces."""
+    return check_metric_key(metric, dry_eval_keys(trainer))

@@ -1,0 +1,323 @@
+"""Data for the facade: collators, seeded data loaders, unused-column removal, resumable epochs.
+
+* ``default_data_collator``: HF's rules for dict examples (stack tensors and numbers, ``label`` ->
+  ``labels``, skip strings), torch's ``default_collate`` for tuples.
+* ``DataCollatorWithPadding``: pads with a tokenizer-like ``processing_class.pad``.
+* ``EpochSampler``: a shuffle seeded by ``seed + epoch``: the same order for an epoch in any process.
+* ``ResumableData``: a plugin whose ``epoch_iterator`` skips already-consumed batches in the batch
+  sampler, so a mid-epoch resume does not load them (D3).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler, default_collate
+
+from trainbus.engine import ConfigError, Plugin
+
+if TYPE_CHECKING:
+    from trainbus.engine import Engine
+
+Collator = Callable[[list[Any]], Any]
+
+
+def default_data_collator(features: list[Any]) -> Any:
+    """Collate a list of examples into a batch, as HF's ``default_data_collator`` does for dicts.
+
+    Dict examples: tensors are stacked, numbers and lists become tensors, ``label`` / ``label_ids``
+    become ``labels`` (long for ints, float otherwise), ``None`` and strings are dropped. Other
+    examples (tuples, tensors) go through ``torch.utils.data.default_collate``.
+    """
+    if not features:
+        raise ConfigError("cannot collate an empty list of examples")
+    first = features[0]
+    if not isinstance(first, Mapping):
+        return default_collate(features)
+    batch: dict[str, Any] = {}
+    for label_key in ("label", "label_ids"):
+        if label_key in first and first[label_key] is not None:
+            value = first[label_key]
+            if isinstance(value, torch.Tensor):
+                value = value.item() if value.dim() == 0 else value
+            values = [f[label_key] for f in features]
+            if isinstance(value, torch.Tensor):
+                batch["labels"] = torch.stack(values)
+            else:
+                dtype = torch.long if isinstance(value, int) or _is_int_list(value) else torch.float
+                batch["labels"] = torch.tensor(values, dtype=dtype)
+            break
+    for key, value in first.items():
+        if key in ("label", "label_ids") or value is None or isinstance(value, str):
+            continue
+        values = [f[key] for f in features]
+        if isinstance(value, torch.Tensor):
+            batch[key] = torch.stack(values)
+        elif hasattr(value, "__array__") and not isinstance(value, list | tuple):
+            batch[key] = torch.as_tensor(__import__("numpy").stack(values))
+        else:
+            batch[key] = torch.tensor(values)
+    return batch
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list | tuple) and bool(value) and isinstance(value[0], int)
+
+
+class DataCollatorWithPadding:
+    """Pad dict examples to the longest in the batch with ``tokenizer.pad`` (HF's collator of that name).
+
+    Args:
+        tokenizer: anything with ``pad(features, padding=..., return_tensors="pt")`` (a HF tokenizer).
+        padding: passed to ``pad`` (``True`` = longest in the batch).
+        pad_to_multiple_of: passed to ``pad``.
+
+    Example:
+        >>> collate = DataCollatorWithPadding(tokenizer)  # doctest: +SKIP
+    """
+
+    def __init__(self, tokenizer: Any, padding: bool | str = True, pad_to_multiple_of: int | None = None) -> None:
+        if not callable(getattr(tokenizer, "pad", None)):
+            raise ConfigError(f"DataCollatorWithPadding needs an object with a pad() method, got {type(tokenizer)}")
+        self.tokenizer = tokenizer
+        self.padding = padding
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, features: list[Mapping[str, Any]]) -> dict[str, Any]:
+        batch = dict(
+            self.tokenizer.pad(
+                [dict(f) for f in features],
+                padding=self.padding,
+                pad_to_multiple_of=self.pad_to_multiple_of,
+                return_tensors="pt",
+            )
+        )
+        for label_key in ("label", "label_ids"):
+            if label_key in batch:
+                batch["labels"] = batch.pop(label_key)
+        return batch
+
+
+def is_tokenizer_like(obj: Any) -> bool:
+    """A processing_class that can pad batches (HF tokenizers and processors with ``pad``)."""
+    return obj is not None and callable(getattr(obj, "pad", None))
+
+
+# -- unused columns -----------------------------------------------------------------------------
+def signature_columns(model: torch.nn.Module, label_names: Sequence[str]) -> list[str] | None:
+    """The batch keys the model's forward accepts, plus label keys; None when it takes ``**kwargs``."""
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return list(dict.fromkeys([*params, "label", "label_ids", *label_names]))
+
+
+def _unused_error(columns: Iterable[str], keep: Sequence[str], model: torch.nn.Module) -> ConfigError:
+    return ConfigError(
+        f"no column of the dataset ({sorted(columns)}) matches the arguments of {type(model).__name__}.forward "
+        f"({[k for k in keep if k not in ('label', 'label_ids')]}); rename the columns or set "
+        "remove_unused_columns=False"
+    )
+
+
+def remove_unused_columns(dataset: Any, model: torch.nn.Module, label_names: Sequence[str]) -> Any:
+    """For a HF ``datasets.Dataset``: drop columns the model's forward does not take (HF's rule).
+
+    Other datasets are returned unchanged; ``RemoveColumnsCollator`` drops their keys per batch.
+    """
+    keep = signature_columns(model, label_names)
+    names = getattr(dataset, "column_names", None)
+    if keep is None or not isinstance(names, list) or not callable(getattr(dataset, "remove_columns", None)):
+        return dataset
+    drop = [c for c in names if c not in keep]
+    if len(drop) == len(names):
+        raise _unused_error(names, keep, model)
+    return dataset.remove_columns(drop) if drop else dataset
+
+
+class RemoveColumnsCollator:
+    """Drops the keys of dict examples the model's forward does not accept, then collates."""
+
+    def __init__(self, collator: Collator, keep: Sequence[str], model: torch.nn.Module) -> None:
+        self.collator = collator
+        self.keep = set(keep)
+        self.model = model
+
+    def __call__(self, features: list[Any]) -> Any:
+        if features and isinstance(features[0], Mapping):
+            kept = [{k: v for k, v in f.items() if k in self.keep} for f in features]
+            if not kept[0]:
+                raise _unused_error(features[0].keys(), sorted(self.keep), self.model)
+            features = kept
+        return self.collator(features)
+
+
+# -- seeded shuffling and resumable epochs -------------------------------------------------------
+class EpochSampler(Sampler[int]):
+    """A random permutation seeded by ``seed + epoch``: reproducible per epoch, independent of global RNG.
+
+    Example:
+        >>> s = EpochSampler(5, seed=0)
+        >>> s.set_epoch(1); a = list(s); s.set_epoch(1); a == list(s)
+        True
+    """
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+
+class _SkipBatchSampler(Sampler[list[int]]):
+    """The batches of ``inner`` after the first ``skip``: indices only, no example is loaded."""
+
+    def __init__(self, inner: Iterable[list[int]], skip: int, length: int) -> None:
+        self.inner = inner
+        self.skip = skip
+        self.length = length
+
+    def __len__(self) -> int:
+        return max(self.length - self.skip, 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return itertools.islice(iter(self.inner), self.skip, None)
+
+
+def skip_first_batches(loader: DataLoader[Any], skip: int) -> DataLoader[Any]:
+    """A loader over the same data and order without its first ``skip`` batches, not loading them."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None or isinstance(loader.dataset, IterableDataset):
+        raise ConfigError("skip_first_batches needs a map-style DataLoader with a batch sampler")
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=_SkipBatchSampler(batch_sampler, skip, len(batch_sampler)),  # type: ignore[arg-type]
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+    )
+
+
+def resumable_epoch_iterator(data: Iterable[Any], epoch: int, skip_batches: int) -> Iterator[Any]:
+    """The batches of epoch ``epoch``; a map-style DataLoader skips ``skip_batches`` in its sampler.
+
+    The sampler's ``set_epoch`` is called first so the skipped prefix is the one the interrupted
+    run consumed. Other data falls back to skipping by iteration (an iterable dataset has no index).
+    """
+    sampler = getattr(data, "sampler", None)
+    for owner in (data, sampler, getattr(data, "batch_sampler", None)):
+        set_epoch = getattr(owner, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+            break
+    if skip_batches and isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
+        return iter(skip_first_batches(data, skip_batches))
+    iterator = iter(data)
+    return itertools.islice(iterator, skip_batches, None) if skip_batches else iterator
+
+
+class ResumableData(Plugin):
+    """Makes ``epoch_iterator`` skip consumed batches in the sampler (D3); stateless."""
+
+    def attach(self, engine: Engine) -> None:
+        self.wrap_hook(engine, "epoch_iterator", lambda inner: resumable_epoch_iterator)
+
+
+def build_dataloader(
+    dataset: Any,
+    *,
+    batch_size: int,
+    collate_fn: Collator,
+    shuffle: bool,
+    seed: int,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+) -> DataLoader[Any]:
+    """A DataLoader with an ``EpochSampler`` when shuffling a map-style dataset (iterables keep their order)."""
+    if isinstance(dataset, DataLoader):
+        return dataset
+    iterable = isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
+    sampler: Sampler[int] | None = None
+    if not iterable:
+        try:
+            size = len(dataset)
+        except TypeError as exc:
+            raise ConfigError(f"a map-style dataset needs __len__; got {type(dataset).__name__}") from exc
+        sampler = EpochSampler(size, seed) if shuffle else SequentialSampler(range(size))
+    elif not isinstance(dataset, IterableDataset):
+        dataset = _IterableWrapper(dataset)
+    workers = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor) if num_workers > 0 else {}
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        worker_init_fn=_seed_worker(seed) if num_workers > 0 else None,
+        **workers,  # type: ignore[arg-type]
+    )
+
+
+class _IterableWrapper(IterableDataset[Any]):
+    """Lets a plain iterable (a generator function's result, an HF IterableDataset) feed a DataLoader."""
+
+    def __init__(self, data: Iterable[Any]) -> None:
+        self.data = data
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.data)
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.data, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def _seed_worker(seed: int) -> Callable[[int], None]:
+    def init(worker_id: int) -> None:
+        torch.manual_seed(seed + worker_id)
+
+    return init
+
+
+def batch_sampler_batch_size(loader: Any) -> int | None:
+    """The batch size of a DataLoader (None for other iterables)."""
+    return getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+
+
+__all__ = [
+    "BatchSampler",
+    "DataCollatorWithPadding",
+    "EpochSampler",
+    "RemoveColumnsCollator",
+    "ResumableData",
+    "build_dataloader",
+    "default_data_collator",
+    "is_tokenizer_like",
+    "remove_unused_columns",
+    "resumable_epoch_iterator",
+    "signature_columns",
+    "skip_first_batches",
+]

@@ -1,0 +1,245 @@
+"""TrainLogger: HF's training logs (loss of the window, learning_rate, grad_norm, epoch) with one host sync per window.
+
+The window's loss sum stays on the device; at each logging point the loss, the grad norm and any
+pending token count are stacked and read together, so a run with L logging windows makes L host
+reads for logging and none per step. NaN / Inf losses are filtered on the device, as HF's
+``logging_nan_inf_filter`` does (a bad loss adds the window's running mean instead).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.hooks import batch_size_of
+
+if TYPE_CHECKING:
+    from trainbus.engine import (
+        BackwardEndEvent,
+        BatchStartEvent,
+        BeforeOptimizerStepEvent,
+        Engine,
+        EvalEndEvent,
+        LogEvent,
+        StepEndEvent,
+        TrainEndEvent,
+        TrainStartEvent,
+    )
+
+#: where TrainLogger appends to state.log_history: after producers, before sinks and callbacks
+HISTORY_PRIORITY = Priority.CONSUMER + 50
+
+
+class TrainLogger(Plugin):
+    """Fills LOG payloads like HF's Trainer and appends them to ``state.log_history``.
+
+    Args:
+        nan_inf_filter: replace a NaN / Inf micro-batch loss by the window's running mean (HF default).
+        include_num_input_tokens_seen: "no" | "all" (every input token) | "non_padding" (attention_mask sum).
+        input_name: the batch key of the model's main input (for token counting).
+        log_eval_metrics: log the metrics of each evaluation (HF's ``evaluate`` does).
+
+    Example:
+        >>> from trainbus.plugins.logging import TrainLogger
+        >>> logger = TrainLogger(nan_inf_filter=True)
+    """
+
+    priority = Priority.PRODUCER
+
+    def __init__(
+        self,
+        nan_inf_filter: bool = True,
+        include_num_input_tokens_seen: str = "no",
+        input_name: str = "input_ids",
+        log_eval_metrics: bool = True,
+    ) -> None:
+        if include_num_input_tokens_seen not in ("no", "all", "non_padding"):
+            raise ConfigError(
+                "include_num_input_tokens_seen must be 'no', 'all' or 'non_padding', "
+                f"got {include_num_input_tokens_seen!r}"
+            )
+        self.nan_inf_filter = nan_inf_filter
+        self.tokens = include_num_input_tokens_seen
+        self.input_name = input_name
+        self.log_eval_metrics = log_eval_metrics
+        self.train_metrics: dict[str, float] = {}
+        self._window: torch.Tensor | None = None
+        self._grad_norm: Any = None
+        self._lr: Any = None
+        self._pending_tokens: Any = 0  # int, or a device tensor for non_padding counts
+        self._last_logged = 0
+        self._total_loss = 0.0
+        self._start_step = 0
+        self._start_time = 0.0
+        self._samples = 0
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, Event.TRAIN_START, self.train_start, priority=Priority.FIRST)
+        self.on(engine, Event.BATCH_START, self.batch_start, priority=Priority.LAST)
+        self.on(engine, Event.BACKWARD_END, self.backward_end, priority=Priority.CONSUMER)
+        self.on(engine, Event.BEFORE_OPTIMIZER_STEP, self.before_optimizer_step, priority=Priority.LAST)
+        self.on(engine, Event.STEP_END, self.step_end, priority=Priority.FIRST)
+        self.on(engine, Event.LOG, self.fill)
+        self.on(engine, Event.LOG, self.record, priority=HISTORY_PRIORITY)
+        self.on(engine, Event.TRAIN_END, self.train_end)
+        if self.log_eval_metrics:
+            self.on(engine, Event.EVAL_END, self.eval_end)
+
+    # -- per step: device work only ----------------------------------------------------------------
+    def train_start(self, ev: TrainStartEvent) -> None:
+        engine = ev.engine
+        self._window = torch.zeros((), device=engine.device)
+        self._last_logged = self._start_step = engine.state.global_step
+        self._total_loss = 0.0
+        self._samples = 0
+        self._grad_norm = self._lr = None
+        self._start_time = time.perf_counter()
+        self.train_metrics = {}
+
+    def batch_start(self, ev: BatchStartEvent) -> None:
+        self._samples += batch_size_of(ev.batch)
+        if self.tokens == "no":
+            return
+        batch = ev.batch
+        if not isinstance(batch, Mapping) or self.input_name not in batch:
+            raise ConfigError(
+                f"include_num_input_tokens_seen needs dict batches with {self.input_name!r}; "
+                f"got {type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, Mapping) else ''}"
+            )
+        mask = batch.get("attention_mask")
+        if self.tokens == "non_padding" and isinstance(mask, torch.Tensor):
+            self._pending_tokens = self._pending_tokens + mask.sum()  # stays on the device
+        else:
+            self._pending_tokens += int(batch[self.input_name].numel())  # a shape: no sync
+
+    def backward_end(self, ev: BackwardEndEvent) -> None:
+        assert self._window is not None
+        loss = ev.loss.detach().float()
+        if loss.device != self._window.device:
+            loss = loss.to(self._window.device)
+        if self.nan_inf_filter:
+            mean = self._window / (1 + ev.engine.state.global_step - self._last_logged)
+            self._window = self._window + torch.where(torch.isfinite(loss), loss, mean)
+        else:
+            self._window = self._window + loss
+
+    def before_optimizer_step(self, ev: BeforeOptimizerStepEvent) -> None:
+        optimizer = ev.engine.optimizer
+        # the rate this step uses, read before a scheduler moves it (HF logs the same)
+        self._lr = optimizer.param_groups[0]["lr"] if optimizer is not None and optimizer.param_groups else None
+
+    def step_end(self, ev: StepEndEvent) -> None:
+        self._grad_norm = ev.engine.step_outputs.get("grad_norm")
+
+    # -- logging points: one host read ------------------------------------------------------------
+    def _read(self, engine: Engine) -> dict[str, Any]:
+        """Read the window's loss, grad norm, lr and tokens with a single device-to-host transfer."""
+        assert self._window is not None
+        names = ["loss"]
+        values = [self._window]
+        for name, value in (
+            ("grad_norm", self._grad_norm),
+            ("learning_rate", self._lr),
+            ("tokens", self._pending_tokens),
+        ):
+            if isinstance(value, torch.Tensor):
+                names.append(name)
+                values.append(value.detach().reshape(()).to(self._window.device, torch.float64))
+        read = dict(zip(names, torch.stack([v.to(torch.float64) for v in values]).tolist(), strict=True))
+        for name, value in (
+            ("grad_norm", self._grad_norm),
+            ("learning_rate", self._lr),
+            ("tokens", self._pending_tokens),
+        ):
+            if value is not None and not isinstance(value, torch.Tensor):
+                read[name] = value
+        self._window = torch.zeros((), device=self._window.device)
+        self._flush_tokens(engine, read.pop("tokens", 0))
+        return read
+
+    def _flush_tokens(self, engine: Engine, tokens: float) -> None:
+        engine.state.num_input_tokens_seen += int(tokens)
+        self._pending_tokens = 0
+
+    def fill(self, ev: LogEvent) -> None:
+        engine, logs = ev.engine, ev.logs
+        state = engine.state
+        if ev.window and self._window is not None and state.global_step > self._last_logged:
+            read = self._read(engine)
+            self._total_loss += read["loss"]
+            logs["loss"] = read["loss"] / (state.global_step - self._last_logged)
+            if read.get("grad_norm") is not None:
+                logs["grad_norm"] = float(read["grad_norm"])
+            if read.get("learning_rate") is not None:
+                logs["learning_rate"] = float(read["learning_rate"])
+            self._last_logged = state.global_step
+        if logs:
+            logs["epoch"] = state.epoch
+            if self.tokens != "no":
+                logs["num_input_tokens_seen"] = state.num_input_tokens_seen
+
+    def record(self, ev: LogEvent) -> None:
+        if ev.logs:
+            ev.engine.state.log_history.append({**ev.logs, "step": ev.engine.state.global_step})
+
+    def eval_end(self, ev: EvalEndEvent) -> None:
+        if ev.metrics:
+            ev.engine.log(ev.metrics)  # HF's evaluate() logs its metrics (and adds "epoch" to them)
+
+    def train_end(self, ev: TrainEndEvent) -> None:
+        engine = ev.engine
+        state = engine.state
+        if self._window is None:
+            return
+        read = self._read(engine)
+        self._total_loss += read["loss"]
+        steps = state.global_step - self._start_step
+        runtime = time.perf_counter() - self._start_time
+        metrics: dict[str, float] = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(self._samples / runtime, 3) if runtime > 0 else 0.0,
+            "train_steps_per_second": round(steps / runtime, 3) if runtime > 0 else 0.0,
+            "total_flos": float(state.total_flos),
+            "train_loss": self._total_loss / max(steps, 0.001),
+        }
+        self._window = None
+        self.train_metrics = dict(metrics)
+        engine.log(metrics)
+
+
+class ConsoleSink(Plugin):
+    """Prints every log record as HF's PrinterCallback does (floats with 4 significant digits).
+
+    Args:
+        stream: a writer with ``write`` (default: print to stdout).
+    """
+
+    priority = Priority.CONSUMER
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, Event.LOG, self.write)
+
+    def write(self, ev: LogEvent) -> None:
+        if not ev.logs or not ev.engine.state.is_local_process_zero:
+            return
+        text = str(format_logs(ev.logs))
+        if self.stream is None:
+            print(text)
+        else:
+            self.stream.write(text + "\n")
+
+
+def format_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
+    """Logs for display: floats as 4 significant digits, total_flos left out (as HF prints them)."""
+    return {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items() if k != "total_flos"}
+
+
+#: report_to names -> sink factories (``factory(args) -> Plugin``); other sink modules may add theirs
+SINKS: dict[str, Any] = {"console": lambda args: ConsoleSink()}

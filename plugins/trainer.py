@@ -1,0 +1,439 @@
+"""The Hugging Face style facade: ``Trainer`` is an Engine composed of the standard plugins from TrainingArguments.
+
+Porting a script means changing the import::
+
+    from trainbus.plugins import Trainer, TrainingArguments
+
+Subclass overrides of ``compute_loss``, ``training_step``, ``prediction_step``, ``evaluate`` and
+``log`` are honoured as in HF: the engine's step hooks call the overriding methods.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from trainbus.engine import ConfigError, Engine, Plugin, State
+from trainbus.hooks import forward as default_forward
+from trainbus.hooks import get_labels
+
+from . import checkpoint as ckpt
+from .arguments import TrainingArguments
+from .callbacks import CallbackAdapter
+from .composition import build_plugins, check_metric_for_best_model
+from .data import (
+    DataCollatorWithPadding,
+    RemoveColumnsCollator,
+    build_dataloader,
+    default_data_collator,
+    is_tokenizer_like,
+    remove_unused_columns,
+    signature_columns,
+)
+from .evaluation import PredictionOutput, hf_prediction_step
+from .logging import TrainLogger
+from .optimizers import create_optimizer, fused_adamw_supported
+from .schedulers import LRScheduler, create_scheduler
+
+
+class TrainOutput(NamedTuple):
+    """What ``Trainer.train`` returns (HF's TrainOutput)."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class _Computed:
+    """What the forward hook returns when a subclass's compute_loss / training_step produced the loss."""
+
+    __slots__ = ("loss", "outputs")
+
+    def __init__(self, loss: torch.Tensor, outputs: Any) -> None:
+        self.loss = loss
+        self.outputs = outputs
+
+    @property
+    def logits(self) -> Any:
+        from trainbus.hooks import model_output
+
+        return model_output(self.outputs)
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, numpy and torch (HF ``set_seed``)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer(Engine):
+    """HF's ``Trainer`` API over a trainbus Engine; every feature is a plugin chosen from ``args``.
+
+    Args mirror ``transformers.Trainer``. ``callbacks`` may mix HF-style callbacks (instances or
+    classes) and trainbus plugins. ``optimizers=(optimizer, scheduler)`` replaces the built ones.
+
+    Example:
+        >>> import torch
+        >>> from trainbus.plugins.trainer import Trainer
+        >>> from trainbus.plugins.arguments import TrainingArguments
+        >>> class Reg(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__(); self.lin = torch.nn.Linear(2, 1)
+        ...     def forward(self, x, labels=None):
+        ...         out = self.lin(x).squeeze(-1)
+        ...         return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+        >>> data = [{"x": torch.randn(2), "labels": torch.tensor(1.0)} for _ in range(8)]
+        >>> args = TrainingArguments("/tmp/tb_doc", max_steps=3, save_strategy="no", disable_tqdm=True,
+        ...                          logging_steps=1, report_to="none", use_cpu=True)
+        >>> Trainer(Reg(), args, train_dataset=data).train().global_step  # doctest: +ELLIPSIS
+        {...
+        3
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: Callable[[list[Any]], Any] | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        model_init: Callable[[], torch.nn.Module] | None = None,
+        compute_loss_func: Callable[..., torch.Tensor] | None = None,
+        compute_metrics: Callable[[Any], dict[str, float]] | None = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+    ) -> None:
+        self.args = args if args is not None else TrainingArguments()
+        if not isinstance(self.args, TrainingArguments):
+            raise ConfigError(f"args must be trainbus TrainingArguments, got {type(self.args).__name__}")
+        args = self.args
+        set_seed(args.seed)
+        if args.full_determinism:
+            torch.use_deterministic_algorithms(True)
+        if model is None:
+            if model_init is None:
+                raise ConfigError("Trainer needs a model (or model_init)")
+            model = model_init()
+        self.model_init = model_init
+        model = model.to(args.device)
+        self.processing_class = processing_class
+        self.compute_loss_func = compute_loss_func
+        self.compute_metrics = compute_metrics
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.label_names_arg = list(args.label_names) if args.label_names else ["labels"]
+        self.data_collator = data_collator or (
+            DataCollatorWithPadding(processing_class) if is_tokenizer_like(processing_class) else default_data_collator
+        )
+        if args.eval_strategy != "no" and eval_dataset is None:
+            raise ConfigError(f"eval_strategy={args.eval_strategy.value!r} needs an eval_dataset; none was given")
+        self._model_for_columns = model
+        train_loader = self.get_train_dataloader() if train_dataset is not None else None
+        max_epochs, max_steps = self._plan_length(train_loader)
+        super().__init__(
+            model,
+            optimizers[0],
+            train_data=train_loader,
+            max_epochs=max_epochs,
+            max_steps=max_steps,
+            device=args.device,
+            label_names=self.label_names_arg,
+        )
+        self.eval_data = self._eval_loaders(eval_dataset) if eval_dataset is not None else None
+        self._prediction_loss_only = args.prediction_loss_only
+        self._ignore_keys: list[str] | None = None
+        self._install_step_hooks()
+        hf_callbacks = [cb for cb in callbacks or [] if not _is_plugin(cb)]
+        self.callback_handler = CallbackAdapter(hf_callbacks, args, processing_class)
+        for plugin in build_plugins(self, args, optimizers[1], preprocess_logits_for_metrics):
+            self.add_plugin(plugin)
+        for cb in callbacks or []:
+            if _is_plugin(cb):
+                self.add_plugin(cb() if isinstance(cb, type) else cb)
+        self.add_plugin(self.callback_handler)
+        self.callback_handler.init_end(self)
+
+    # -- composition helpers ----------------------------------------------------------------------
+    def _plan_length(self, loader: Any) -> tuple[int | None, int | None]:
+        args = self.args
+        if args.max_steps > 0:
+            return None, args.max_steps
+        if loader is None:
+            return max(1, math.ceil(args.num_train_epochs)), None
+        try:
+            batches = len(loader)
+        except TypeError:
+            raise ConfigError(
+                "the train dataset has no length (an iterable dataset): set TrainingArguments.max_steps"
+            ) from None
+        if float(args.num_train_epochs).is_integer():
+            return int(args.num_train_epochs), None
+        per_epoch = math.ceil(batches / args.gradient_accumulation_steps)
+        return None, max(1, math.ceil(args.num_train_epochs * per_epoch))  # fractional epochs, as HF
+
+    def _install_step_hooks(self) -> None:
+        cls = type(self)
+        if cls.training_step is not Trainer.training_step:
+            self.set_hook("forward", self._forward_training_step)
+            self.set_hook("compute_loss", lambda outputs, batch: outputs.loss)
+            base_backward = self.hooks.backward
+            self.set_hook("backward", lambda loss: base_backward(loss) if loss.requires_grad else None)
+        elif cls.compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None:
+            self.set_hook("forward", self._forward_compute_loss)
+            self.set_hook("compute_loss", lambda outputs, batch: outputs.loss)
+        self.set_hook("prediction_step", self._prediction_step_hook)
+
+    def _has_labels(self, batch: Any) -> bool:
+        return get_labels(batch, tuple(self.label_names)) is not None
+
+    def _forward_compute_loss(self, model: torch.nn.Module, batch: Any) -> Any:
+        if not model.training and not self._has_labels(batch):
+            return default_forward(model, batch)  # HF's prediction_step: no labels, no compute_loss
+        result = self.compute_loss(model, batch, return_outputs=True)
+        loss, outputs = result if isinstance(result, tuple) else (result, None)
+        return _Computed(loss, outputs)
+
+    def _forward_training_step(self, model: torch.nn.Module, batch: Any) -> Any:
+        if model.training and torch.is_grad_enabled():
+            return _Computed(self.training_step(model, batch), None)
+        if type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None:
+            return self._forward_compute_loss(model, batch)
+        return _Computed(*Trainer.compute_loss(self, model, batch, return_outputs=True))
+
+    def _prediction_step_hook(
+        self, model: torch.nn.Module, batch: Any, forward: Any, compute_loss: Any, label_names: Any
+    ) -> tuple[Any, Any, Any]:
+        return self.prediction_step(model, batch, self._prediction_loss_only, self._ignore_keys)
+
+    # -- HF's overridable step methods ------------------------------------------------------------
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """The model's loss (or ``compute_loss_func(outputs, labels, num_items_in_batch=...)``)."""
+        if self.compute_loss_func is not None:
+            labels = get_labels(inputs, tuple(self.label_names))
+            if isinstance(inputs, Mapping):
+                inputs = {k: v for k, v in inputs.items() if k not in self.label_names}
+            outputs = default_forward(model, inputs)
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        else:
+            outputs = default_forward(model, inputs)
+            from trainbus.hooks import loss_from_outputs
+
+            loss = loss_from_outputs(outputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """Forward, loss divided by the accumulation steps, backward; returns the detached loss (HF)."""
+        model.train()
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if isinstance(loss, tuple):
+            loss = loss[0]
+        loss = loss / self.args.gradient_accumulation_steps
+        self.hooks.backward(loss)
+        return loss.detach()
+
+    def prediction_step(
+        self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[Any, Any, Any]:
+        """(loss, logits, labels) for one batch; logits are every model output but the loss (HF)."""
+        computed: dict[str, Any] = {}
+
+        def forward(m: torch.nn.Module, b: Any) -> Any:
+            out = self.hooks.forward(m, b)
+            if isinstance(out, _Computed):
+                computed["loss"] = out.loss
+                return out.outputs
+            return out
+
+        def loss_of(out: Any, b: Any) -> Any:
+            return computed["loss"] if "loss" in computed else self.hooks.compute_loss(out, b)
+
+        loss, logits, labels = hf_prediction_step(ignore_keys)(model, inputs, forward, loss_of, self.label_names)
+        if loss is not None:
+            loss = loss.detach().mean()
+        return (loss, None, None) if prediction_loss_only else (loss, logits, labels)
+
+    # -- data -----------------------------------------------------------------------------------
+    def _collator_for(self, dataset: Any) -> Callable[[list[Any]], Any]:
+        if not self.args.remove_unused_columns:
+            return self.data_collator
+        keep = signature_columns(self._model_for_columns, self.label_names_arg)
+        if keep is None or hasattr(dataset, "column_names"):
+            return self.data_collator  # datasets.Dataset columns are removed on the dataset itself
+        return RemoveColumnsCollator(self.data_collator, keep, self._model_for_columns)
+
+    def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool) -> Any:
+        args = self.args
+        if args.remove_unused_columns:
+            dataset = remove_unused_columns(dataset, self._model_for_columns, self.label_names_arg)
+        return build_dataloader(
+            dataset,
+            batch_size=batch_size,
+            collate_fn=self._collator_for(dataset),
+            shuffle=shuffle,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            drop_last=drop_last,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
+            persistent_workers=args.dataloader_persistent_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
+        )
+
+    def get_train_dataloader(self) -> Any:
+        if self.train_dataset is None:
+            raise ConfigError("Trainer: training requires a train_dataset")
+        args = self.args
+        return self._loader(self.train_dataset, args.train_batch_size, True, args.dataloader_drop_last)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ConfigError("Trainer: evaluation requires an eval_dataset")
+        return self._loader(dataset, self.args.eval_batch_size, False, self.args.dataloader_drop_last)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        return self._loader(test_dataset, self.args.eval_batch_size, False, self.args.dataloader_drop_last)
+
+    def _eval_loaders(self, dataset: Any) -> Any:
+        if isinstance(dataset, Mapping):
+            return {name: self.get_eval_dataloader(d) for name, d in dataset.items()}
+        return self.get_eval_dataloader(dataset)
+
+    def num_examples(self, dataloader: Any) -> int:
+        """Examples in a dataloader's dataset (HF)."""
+        dataset = getattr(dataloader, "dataset", dataloader)
+        return len(dataset)
+
+    def num_tokens(self, train_dl: Any, max_steps: int | None = None) -> int:
+        """Input tokens in ``train_dl`` (``input_ids`` elements), over at most ``max_steps`` batches."""
+        total = 0
+        for step, batch in enumerate(train_dl):
+            if max_steps is not None and step >= max_steps:
+                break
+            if isinstance(batch, Mapping) and "input_ids" in batch:
+                total += int(batch["input_ids"].numel())
+        return total
+
+    # -- optimizer and scheduler ------------------------------------------------------------------
+    @property
+    def lr_scheduler(self) -> Any:
+        plugin = self.get_plugin(LRScheduler)
+        return getattr(plugin, "scheduler", None)
+
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            args = self.args
+            name = args.optim
+            if name == "adamw_torch_fused" and not fused_adamw_supported(self.model):
+                name = "adamw_torch"
+            self.optimizer = create_optimizer(
+                self.model, name, args.learning_rate, args.weight_decay, args.adam_beta1, args.adam_beta2,
+                args.adam_epsilon, args.optim_args,
+            )  # fmt: skip
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Build the scheduler now (HF); the LRScheduler plugin then steps this instance."""
+        if self.lr_scheduler is None:
+            args = self.args
+            scheduler = create_scheduler(
+                str(args.lr_scheduler_type), optimizer or self.create_optimizer(), num_training_steps,
+                args.warmup_steps, args.warmup_ratio, args.lr_scheduler_kwargs,
+            )  # fmt: skip
+            old = self.pop_plugin(LRScheduler)
+            self.add_plugin(LRScheduler(scheduler, metric=getattr(old, "metric", "loss")))  # type: ignore[arg-type]
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps, self.optimizer)
+
+    # -- train / evaluate / predict -------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:  # type: ignore[override]
+        """Train; ``resume_from_checkpoint`` is a checkpoint path or True for the latest in output_dir."""
+        if kwargs:
+            raise ConfigError(f"train() got unexpected arguments {sorted(kwargs)}; it takes resume_from_checkpoint")
+        if self.train_data is None:
+            raise ConfigError("Trainer.train() needs a train_dataset")
+        self.create_optimizer()
+        if self.args.metric_for_best_model is not None and self.eval_data is not None:
+            check_metric_for_best_model(self, self.args.metric_for_best_model)
+        self.state = State()
+        if resume_from_checkpoint:
+            ckpt.resume(self, resume_from_checkpoint, self.args.output_dir)
+        state = self.fit()
+        logger = self.get_plugin(TrainLogger)
+        metrics = dict(getattr(logger, "train_metrics", {}))
+        return TrainOutput(state.global_step, float(metrics.get("train_loss", 0.0)), metrics)
+
+    def evaluate(  # type: ignore[override]
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, Any]:
+        """Evaluate on ``eval_dataset`` (or the Trainer's); a dict of sets gives ``{prefix}_{name}_*`` keys."""
+        data = self.eval_data if eval_dataset is None else self._eval_loaders(eval_dataset)
+        if data is None:
+            raise ConfigError("Trainer.evaluate() needs an eval_dataset (none was given to the Trainer)")
+        only = self.args.prediction_loss_only or self.compute_metrics is None
+        return self._with(only, ignore_keys, lambda: Engine.evaluate(self, data, prefix=metric_key_prefix))
+
+    def predict(  # type: ignore[override]
+        self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
+    ) -> PredictionOutput:
+        """Predictions, label_ids and ``{metric_key_prefix}_*`` metrics for ``test_dataset``."""
+        loader = self.get_test_dataloader(test_dataset)
+        out = self._with(self.args.prediction_loss_only, ignore_keys, lambda: Engine.predict(self, loader))
+        if metric_key_prefix != "test":
+            renamed = {
+                f"{metric_key_prefix}_{k[5:]}" if k.startswith("test_") else k: v for k, v in out.metrics.items()
+            }
+            out = PredictionOutput(out.predictions, out.label_ids, renamed)
+        return out  # type: ignore[no-any-return]
+
+    def _with(self, loss_only: bool, ignore_keys: list[str] | None, run: Callable[[], Any]) -> Any:
+        saved = (self._prediction_loss_only, self._ignore_keys)
+        self._prediction_loss_only, self._ignore_keys = loss_only, ignore_keys
+        try:
+            return run()
+        finally:
+            self._prediction_loss_only, self._ignore_keys = saved
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save a loadable final model (``save_pretrained`` for HF models) to output_dir."""
+        ckpt.save_model(self.model, output_dir or self.args.output_dir)
+        if self.processing_class is not None and callable(getattr(self.processing_class, "save_pretrained", None)):
+            self.processing_class.save_pretrained(output_dir or self.args.output_dir)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Log ``logs`` (adds ``epoch``, appends to ``state.log_history``, calls on_log)."""
+        super().log(logs)
+
+    # -- callbacks (HF names) -------------------------------------------------------------------
+    def add_callback(self, callback: Any) -> None:
+        if _is_plugin(callback):
+            self.add_plugin(callback() if isinstance(callback, type) else callback)
+        else:
+            self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        if _is_plugin(callback):
+            return self.pop_plugin(callback)
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        self.pop_callback(callback)
+
+
+def _is_plugin(obj: Any) -> bool:
+    return isinstance(obj, Plugin) or (isinstance(obj, type) and issubclass(obj, Plugin))
