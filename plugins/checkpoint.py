@@ -29,6 +29,7 @@ from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority, State
 from trainbus.engine.events import EpochEndEvent, EpochStartEvent, EvalEndEvent, Payload, SaveEvent, StepEndEvent
 
 from . import checkpoint_io as cio
+from .checkpoint_io import load_model_weights, save_model
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -36,6 +37,20 @@ PREFIX = "checkpoint-"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _TMP = re.compile(r"^checkpoint-\d+\.(?:tmp|old)-(\d+)$")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+
+__all__ = [
+    "Checkpointing",
+    "LoadBestModelAtEnd",
+    "checkpoints_to_keep",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_model_weights",
+    "resume",
+    "rotate_checkpoints",
+    "save_checkpoint",
+    "save_model",
+]
 
 
 # -- listing and rotation -------------------------------------------------------------------------
@@ -410,58 +425,3 @@ class LoadBestModelAtEnd(Plugin):
         weights = directory / "model.safetensors"
         cio.load_weights(engine.model, cio.read_tensors(weights), str(weights))
         logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)
-
-
-# -- final model ----------------------------------------------------------------------------------
-def save_model(model: torch.nn.Module, output_dir: str | Path) -> Path:
-    """Save a model users can load (K6): ``save_pretrained`` for HF models, else safetensors + JSON.
-
-    A plain module gets ``model.safetensors`` and ``trainbus_model.json`` (its class and
-    parameter count); load it with ``load_model_weights(model, output_dir)``.
-    """
-    root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    save_pretrained = getattr(model, "save_pretrained", None)
-    if callable(save_pretrained):
-        import inspect
-
-        kwargs = (
-            {"safe_serialization": True}
-            if "safe_serialization" in inspect.signature(save_pretrained).parameters
-            else {}
-        )
-        save_pretrained(str(root), **kwargs)
-        return root
-    cio.save_weights(model, root / "model.safetensors")
-    kind = type(model)
-    cio.write_json(
-        root / "trainbus_model.json",
-        {
-            "format": "trainbus-model",
-            "class": f"{kind.__module__}.{kind.__qualname__}",
-            "weights": "model.safetensors",
-            "num_parameters": sum(p.numel() for p in model.parameters()),
-        },
-    )
-    return root
-
-
-def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
-    """Load weights saved by ``save_model`` or a checkpoint (safetensors only, also HF shards)."""
-    root = Path(directory)
-    single = root / "model.safetensors"
-    index = root / "model.safetensors.index.json"
-    if single.is_file():
-        cio.load_weights(model, cio.read_tensors(single), str(single))
-        return
-    if index.is_file():
-        weight_map = cio.read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ConfigError(f"{index} has no 'weight_map' object")
-        state: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            state.update(cio.read_tensors(root / shard))
-        cio.load_weights(model, state, str(index))
-        return
-    seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-    raise ConfigError(f"no model.safetensors or model.safetensors.index.json in {root}; found: {seen or 'nothing'}")

@@ -12,6 +12,7 @@ checkpoint (K3).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -327,3 +328,56 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             torch.cuda.set_rng_state_all(list(state["cuda"]))
         else:
             warnings.warn("the checkpoint holds CUDA RNG states but CUDA is not available; not restored", stacklevel=2)
+
+
+# -- final model ----------------------------------------------------------------------------------
+def save_model(model: torch.nn.Module, output_dir: str | Path) -> Path:
+    """Save a model users can load (K6): ``save_pretrained`` for HF models, else safetensors + JSON.
+
+    A plain module gets ``model.safetensors`` and ``trainbus_model.json`` (its class and
+    parameter count); load it with ``load_model_weights(model, output_dir)``.
+    """
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if callable(save_pretrained):
+        kwargs = (
+            {"safe_serialization": True}
+            if "safe_serialization" in inspect.signature(save_pretrained).parameters
+            else {}
+        )
+        save_pretrained(str(root), **kwargs)
+        return root
+    save_weights(model, root / "model.safetensors")
+    kind = type(model)
+    write_json(
+        root / "trainbus_model.json",
+        {
+            "format": "trainbus-model",
+            "class": f"{kind.__module__}.{kind.__qualname__}",
+            "weights": "model.safetensors",
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+        },
+    )
+    return root
+
+
+def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
+    """Load weights saved by ``save_model`` or a checkpoint (safetensors only, also HF shards)."""
+    root = Path(directory)
+    single = root / "model.safetensors"
+    index = root / "model.safetensors.index.json"
+    if single.is_file():
+        load_weights(model, read_tensors(single), str(single))
+        return
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index} has no 'weight_map' object")
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(read_tensors(root / shard))
+        load_weights(model, state, str(index))
+        return
+    seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    raise ConfigError(f"no model.safetensors or model.safetensors.index.json in {root}; found: {seen or 'nothing'}")
