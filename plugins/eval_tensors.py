@@ -119,7 +119,7 @@ def select_rows(data: Nested, index: torch.Tensor | slice) -> Nested:
     def pick(x: Any) -> Any:
         if isinstance(x, np.ndarray):
             return x[index.numpy() if isinstance(index, torch.Tensor) else index]
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
             return x[index.to(x.device) if isinstance(index, torch.Tensor) else index]
         return x
 
@@ -135,7 +135,7 @@ def world_size() -> int:
 
 
 def gather_padded(data: Nested, padding_index: int = -100) -> Nested:
-    """Gather a nested batch output from every process (rank-major), padding ragged dims first.
+    """Gather a nested batch output from every process (rank-major), padding every dim to the longest first.
 
     Uses accelerate's ``pad_across_processes`` and ``gather``, which need accelerate's
     ``PartialState`` to see the same processes as ``torch.distributed``.
@@ -154,7 +154,7 @@ def gather_padded(data: Nested, padding_index: int = -100) -> Nested:
         if not isinstance(x, torch.Tensor):
             return x
         x = x.reshape(1) if x.dim() == 0 else x.contiguous()
-        for dim in range(1, x.dim()):
+        for dim in range(x.dim()):  # dim 0 too: processes may have trimmed padding samples
             x = pad_across_processes(x, dim=dim, pad_index=padding_index)
         return x
 
@@ -191,13 +191,25 @@ class ShardLayout:
             return None
         return cls(replicas, rank, size)
 
-    def real_count(self, offset: int, batch_size: int) -> int:
-        """How many of the local samples ``offset .. offset + batch_size - 1`` are not padding."""
-        limit = math.ceil((self.dataset_size - self.rank) / self.num_replicas)  # local positions < limit are real
+    def real_count(self, offset: int, batch_size: int, rank: int | None = None) -> int:
+        """How many of the local samples ``offset .. offset + batch_size - 1`` of ``rank`` are not padding.
+
+        Real samples come first (padding only ends the shard), so they are the batch's first rows.
+        """
+        rank = self.rank if rank is None else rank
+        limit = math.ceil((self.dataset_size - rank) / self.num_replicas)  # local positions < limit are real
         return max(0, min(batch_size, limit - offset))
 
     def gathered_positions(self, offset: int, batch_size: int) -> torch.Tensor:
-        """Global positions of a batch gathered rank-major from all processes (same local offset)."""
-        local = torch.arange(offset, offset + batch_size, dtype=torch.long)
-        ranks = torch.arange(self.num_replicas, dtype=torch.long)
-        return (local[None, :] * self.num_replicas + ranks[:, None]).reshape(-1)
+        """Global positions of the rows of a batch gathered rank-major after trimming and dim-0 padding.
+
+        Every process trimmed its batch (same offset and size on all of them) to its real rows and
+        the gather padded them to the longest; padding rows get position ``dataset_size`` (dropped).
+        """
+        counts = [self.real_count(offset, batch_size, r) for r in range(self.num_replicas)]
+        longest = max(counts)
+        rows = []
+        for rank, count in enumerate(counts):
+            real = (torch.arange(offset, offset + count, dtype=torch.long) * self.num_replicas) + rank
+            rows.append(torch.cat([real, torch.full((longest - count,), self.dataset_size, dtype=torch.long)]))
+        return torch.cat(rows)

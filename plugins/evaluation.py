@@ -261,6 +261,7 @@ class EvalCollector(Plugin):
         self.on(engine, Event.PREDICT_START, self.predict_start)
         self.on(engine, Event.PREDICT_BATCH_END, self.predict_batch_end)
         self.on(engine, Event.PREDICT_END, self.predict_end)
+        self.wrap_hook(engine, "prediction_step", self._trim_padding)
 
     # -- handlers ----------------------------------------------------------------------------------
     def eval_start(self, ev: EvalStartEvent) -> None:
@@ -289,19 +290,43 @@ class EvalCollector(Plugin):
             raise ConfigError(f"the {prefix!r} dataset is empty (length 0): evaluation needs at least one batch")
         self._pass = _Pass(prefix, time.perf_counter(), ShardLayout.of(dataloader))
 
+    def _trim_padding(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap ``prediction_step`` to run only the real samples of a batch padded by a DistributedSampler.
+
+        A batch mean loss over repeated samples cannot be undone afterwards, so they are cut before
+        the forward pass. A batch with no real sample still runs (collectives stay in step) and
+        its outputs are cut to zero rows.
+        """
+
+        def prediction_step(model: torch.nn.Module, batch: Any, *args: Any) -> tuple[Any, Any, Any]:
+            run = self._pass
+            if run is None or run.layout is None:
+                return inner(model, batch, *args)  # type: ignore[no-any-return]
+            size = batch_size_of(batch)
+            keep = run.layout.real_count(run.samples, size)
+            if keep == size:
+                return inner(model, batch, *args)  # type: ignore[no-any-return]
+            if keep == 0:
+                loss, logits, labels = inner(model, batch, *args)
+                return loss, select_rows(logits, slice(0, 0)), select_rows(labels, slice(0, 0))
+            return inner(model, select_rows(batch, slice(0, keep)), *args)  # type: ignore[no-any-return]
+
+        return prediction_step
+
     def _collect(self, batch: Any, loss: Any, logits: Any, labels: Any) -> None:
         run = self._pass
         assert run is not None, "EVAL_BATCH_END without EVAL_START"
-        size = batch_size_of(batch)
+        size = batch_size_of(batch)  # the batch as the loader gave it (before any trimming)
         if size == 0:
             size = _leading_size(labels if labels is not None else logits)
+        real = size if run.layout is None else run.layout.real_count(run.samples, size)
         distributed = world_size() > 1
         parts: dict[str, Any] = {}
         if loss is not None:
             loss = loss.detach()
             loss = loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
             if distributed or self.include_losses:
-                parts["losses"] = loss.reshape(()).expand(size)  # HF: loss.repeat(batch_size)
+                parts["losses"] = loss.reshape(()).expand(real)  # HF: loss.repeat(batch_size)
             if not distributed:
                 weighted = loss * size  # mean losses weighted by batch size = the loss of the whole set
                 run.loss_sum = weighted if run.loss_sum is None else run.loss_sum + weighted
@@ -314,6 +339,8 @@ class EvalCollector(Plugin):
             if self.include_inputs:
                 parts["inputs"] = _inputs_of(batch, self.input_name)
         parts = {k: v for k, v in parts.items() if v is not None}
+        if run.layout is not None:
+            parts = select_rows(parts, slice(0, real))  # no-op when prediction_step already trimmed
         if distributed:
             parts = gather_padded(parts, self.padding_index)
             if run.layout is not None:
