@@ -1,9 +1,9 @@
 """Invariant 6: interrupt a run at any step, resume in a fresh engine: the rest is bit-exact (K4).
 
 The model has dropout and a plugin perturbs batches with Python's and numpy's RNG, the data is
-a shuffled DataLoader (whose iterator draws from torch's global RNG), with Adam, gradient
-accumulation, a linear LR schedule and a plugin with tensor state: every piece a resume must
-restore. Run this file as a script to resume in a fresh process (used by the subprocess test).
+a shuffled DataLoader (whose iterator draws from torch's global RNG), with Adam, the
+GradientAccumulation plugin, a linear LR schedule and a plugin with tensor state: every piece a
+resume must restore. Run this file as a script to resume in a fresh process (used by the subprocess test).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from trainbus.engine import ConfigError, Engine, Event, HandlerError, Plugin, Priority
 from trainbus.engine.events import BatchStartEvent, LossEvent, StepEndEvent
+from trainbus.plugins.accumulation import GradientAccumulation
 from trainbus.plugins.checkpoint import Checkpointing, resume
 from trainbus.plugins.schedulers import LRScheduler
 
@@ -99,11 +100,16 @@ def build(config: dict[str, int], output_dir: Path) -> Engine:
     loader = DataLoader(data, batch_size=config["batch_size"], sampler=EpochShuffle(n, config["seed"]))
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.3), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
-    plugins = [Noise(), LossHistory(), LRScheduler("linear", num_warmup_steps=2), Checkpointing(output_dir)]
+    plugins = [
+        GradientAccumulation(config["k"]),
+        Noise(),
+        LossHistory(),
+        LRScheduler("linear", num_warmup_steps=2),
+        Checkpointing(output_dir),
+    ]
     engine = Engine(
         model, optimizer, train_data=loader, max_epochs=config["epochs"], loss_fn=torch.nn.MSELoss(), plugins=plugins
     )
-    engine.accumulation_steps = config["k"]
     return engine
 
 
