@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler, default_collate
+from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler, default_collate
 
 from trainbus.engine import ConfigError, Plugin
 
@@ -222,7 +222,8 @@ def resumable_epoch_iterator(data: Iterable[Any], epoch: int, skip_batches: int)
     run consumed. Other data falls back to skipping by iteration (an iterable dataset has no index).
     """
     sampler = getattr(data, "sampler", None)
-    for owner in (data, sampler, getattr(data, "batch_sampler", None)):
+    owners = (data, sampler, getattr(data, "batch_sampler", None), getattr(data, "dataset", None))
+    for owner in owners:  # the first owner of a set_epoch: a seeded sampler, or an iterable dataset
         set_epoch = getattr(owner, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
@@ -302,13 +303,7 @@ def _seed_worker(seed: int) -> Callable[[int], None]:
     return init
 
 
-def batch_sampler_batch_size(loader: Any) -> int | None:
-    """The batch size of a DataLoader (None for other iterables)."""
-    return getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-
-
 __all__ = [
-    "BatchSampler",
     "DataCollatorWithPadding",
     "EpochSampler",
     "RemoveColumnsCollator",
