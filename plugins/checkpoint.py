@@ -184,7 +184,12 @@ def _publish(tmp: Path, final: Path) -> None:
     if final.exists():
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         os.replace(final, old)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if old is not None:  # put the previous save of this step back
+            os.replace(old, final)
+        raise
     cio.fsync_path(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

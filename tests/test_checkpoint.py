@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -296,11 +297,24 @@ def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch
     def no_rename(src: Any, dst: Any) -> None:
         raise OSError(errno.EIO, "I/O error")
 
+    real_replace = os.replace
     monkeypatch.setattr(ck.os, "replace", no_rename)
     engine.state.global_step = 3
     with pytest.raises(OSError, match="I/O error"):
         save_checkpoint(engine, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+    def fail_into_tmp_target(src: Any, dst: Any) -> None:  # moving the old copy aside works, publishing fails
+        if ".tmp-" in str(src):
+            raise OSError(errno.EIO, "I/O error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", fail_into_tmp_target)
+    engine.state.global_step = 2  # a re-save of an existing step that fails keeps the old one
+    with pytest.raises(OSError, match="I/O error"):
+        save_checkpoint(engine, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+    cio.read_manifest(tmp_path / "checkpoint-2", verify=True)
 
 
 def test_stale_temporaries_of_dead_processes_are_ignored_and_removed(tmp_path: Path) -> None:
