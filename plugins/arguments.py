@@ -217,9 +217,9 @@ class TrainingArguments:
         if isinstance(self.include_num_input_tokens_seen, bool):
             self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
         _one_of("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("no", "all", "non_padding"))
-        self.logging_strategy = _strategy("logging_strategy", self.logging_strategy, IntervalStrategy)
-        self.eval_strategy = _strategy("eval_strategy", self.eval_strategy, IntervalStrategy)
-        self.save_strategy = _strategy("save_strategy", self.save_strategy, SaveStrategy)
+        self.logging_strategy = check_strategy("logging_strategy", self.logging_strategy, IntervalStrategy)
+        self.eval_strategy = check_strategy("eval_strategy", self.eval_strategy, IntervalStrategy)
+        self.save_strategy = check_strategy("save_strategy", self.save_strategy, SaveStrategy)
         self.report_to = _report_to(self.report_to)
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
             value = getattr(self, name)
@@ -384,7 +384,8 @@ def _checked_init(self: TrainingArguments, *args: Any, **kwargs: Any) -> None:
 TrainingArguments.__init__ = _checked_init  # type: ignore[method-assign]
 
 
-def _strategy(name: str, value: Any, kind: type[enum.Enum]) -> Any:
+def check_strategy(name: str, value: Any, kind: type[enum.Enum]) -> Any:
+    """``kind(value)``, or a ConfigError naming ``name`` and the allowed strings."""
     allowed = [m.value for m in kind]  # type: ignore[attr-defined]
     raw = value.value if isinstance(value, enum.Enum) else value
     if raw not in allowed:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 
-from .arguments import IntervalStrategy, SaveStrategy
+from .arguments import IntervalStrategy, SaveStrategy, check_strategy
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine, EpochEndEvent, EvalEndEvent, EvalStartEvent, StepEndEvent, TrainStartEvent
@@ -51,9 +51,9 @@ class FlowControl(Plugin):
         save_strategy: str = "steps",
         save_steps: float = 500,
     ) -> None:
-        self.logging_strategy = IntervalStrategy(str(logging_strategy))
-        self.eval_strategy = IntervalStrategy(str(eval_strategy))
-        self.save_strategy = SaveStrategy(str(save_strategy))
+        self.logging_strategy = check_strategy("logging_strategy", logging_strategy, IntervalStrategy)
+        self.eval_strategy = check_strategy("eval_strategy", eval_strategy, IntervalStrategy)
+        self.save_strategy = check_strategy("save_strategy", save_strategy, SaveStrategy)
         if eval_steps is None and self.eval_strategy == IntervalStrategy.STEPS:
             eval_steps = logging_steps
         for name, value, strategy in (
