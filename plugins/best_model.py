@@ -70,7 +70,8 @@ def expected_keys(
     ``metric_names`` are the unprefixed names compute_metrics / IgniteMetrics give (e.g. "accuracy").
     """
     names = (["loss"] if with_loss else []) + ["runtime", "samples_per_second", "steps_per_second", *metric_names]
-    return [f"{p}_{n}" for p in eval_prefixes(eval_data, prefix) for n in names]
+    # the prefixing rule of EvalCollector: names already carrying the prefix keep it
+    return [n if n.startswith(f"{p}_") else f"{p}_{n}" for p in eval_prefixes(eval_data, prefix) for n in names]
 
 
 def check_metric_key(name: str, available: Iterable[str], prefix: str = "eval") -> str:
@@ -150,8 +151,6 @@ class BestMetric(Plugin):
         save_on_best: request a checkpoint when a new best is reached.
 
     Example:
-        >>> from trainbus.engine import Engine
-        >>> import torch
         >>> BestMetric("valid_loss").key, BestMetric("valid_loss").greater_is_better
         ('eval_valid_loss', False)
     """

@@ -160,6 +160,7 @@ def test_up_front_validation_helpers() -> None:
     keys = expected_keys({"a": [], "b": []}, ["accuracy"])
     assert "eval_a_accuracy" in keys and "eval_b_loss" in keys and "eval_loss" not in keys
     assert check_metric_key("a_accuracy", keys) == "eval_a_accuracy"
+    assert expected_keys([1], ["eval_f1", "f1"]).count("eval_f1") == 2  # as compute_metrics keys are prefixed
     with pytest.raises(ConfigError, match=r"did you mean 'eval_a_accuracy'.*available keys: eval_a_accuracy"):
         check_metric_key("a_acuracy", keys)
     with pytest.raises(ConfigError, match="non-empty string"):

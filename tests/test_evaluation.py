@@ -274,3 +274,13 @@ def test_padding_helpers() -> None:
     assert nested_concat(None, a) is a
     with pytest.raises(ValueError, match="numbers of dimensions"):
         pad_concat([torch.ones(2, 3), torch.ones(2)])
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    from trainbus.plugins import best_model, early_stopping, evaluation, metrics
+
+    for module in (evaluation, metrics, best_model, early_stopping):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
