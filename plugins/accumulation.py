@@ -45,7 +45,7 @@ def count_items(batch: Any, label_names: Sequence[str] = ("labels",)) -> Count:
     if isinstance(labels, tuple):
         labels = labels[0]
     if not isinstance(labels, torch.Tensor):
-        return batch_size_of(batch)
+        return int(batch_size_of(batch))
     if labels.is_floating_point() or labels.is_complex():
         return labels.numel()
     count = labels.ne(IGNORE_INDEX).sum()
@@ -160,5 +160,5 @@ def window_factors(counts: Sequence[Count]) -> list[Any]:
     device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
     dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
     stacked = torch.stack([t.to(device=device, dtype=dtype) for t in tensors])
-    total = stacked.sum().clamp_min(1.0)  # all-zero window: factors 0 instead of 0/0
-    return list((stacked / total).unbind())
+    window_total = stacked.sum().clamp_min(1.0)  # all-zero window: factors 0 instead of 0/0
+    return list((stacked / window_total).unbind())

@@ -42,10 +42,12 @@ class GradientCheckpointing(Plugin):
     def attach(self, engine: Engine) -> None:
         model = _unwrap(engine.model)
         # transformers 5 renamed it (the old name warns); 4.x has only gradient_checkpointing_enable
-        if callable(getattr(model, "activation_checkpointing_enable", None)):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=self.kwargs or None)
-        elif callable(getattr(model, "gradient_checkpointing_enable", None)):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.kwargs or None)
+        new_api = getattr(model, "activation_checkpointing_enable", None)
+        old_api = getattr(model, "gradient_checkpointing_enable", None)
+        if callable(new_api):
+            new_api(activation_checkpointing_kwargs=self.kwargs or None)
+        elif callable(old_api):
+            old_api(gradient_checkpointing_kwargs=self.kwargs or None)
         else:
             raise ConfigError(
                 f"gradient checkpointing needs a model with gradient_checkpointing_enable() (Hugging Face models); "

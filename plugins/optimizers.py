@@ -127,9 +127,10 @@ def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> dict[str, An
 
 def fused_adamw_supported(model: torch.nn.Module) -> bool:
     """Whether torch's fused AdamW kernels support every trainable parameter's device and dtype."""
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    from torch.optim import optimizer as torch_optimizer
 
-    devices = set(_get_fused_kernels_supported_devices())
+    # private, but it is the list torch itself checks before accepting fused=True
+    devices = set(torch_optimizer._get_fused_kernels_supported_devices())  # type: ignore[attr-defined]
     return all(
         p.device.type in devices
         and p.is_floating_point()

@@ -99,7 +99,7 @@ class MixedPrecision(Plugin):
         self.dtype = DTYPES[dtype]
         self.device_type = device_type
         self.scaler: Any = scaler
-        self._scaler_kwargs = {
+        self._scaler_kwargs: dict[str, Any] = {
             "init_scale": init_scale,
             "growth_factor": growth_factor,
             "backoff_factor": backoff_factor,

@@ -100,7 +100,8 @@ class LabelSmoothing(Plugin):
             def label_smoothed(outputs: Any, batch: Any) -> torch.Tensor:
                 labels = get_labels(batch, label_names)
                 if not isinstance(labels, torch.Tensor):
-                    return inner(outputs, batch)  # no labels: nothing to smooth
+                    loss: torch.Tensor = inner(outputs, batch)  # no labels: nothing to smooth
+                    return loss
                 logits = model_output(outputs)
                 return label_smoothed_loss(logits, labels, self.epsilon, self.ignore_index, shift)
 

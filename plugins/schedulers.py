@@ -76,7 +76,7 @@ def polynomial_factor(
     if step > num_training_steps:
         return lr_end / lr_init
     remaining = 1 - (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
-    return ((lr_init - lr_end) * remaining**power + lr_end) / lr_init
+    return float(((lr_init - lr_end) * remaining**power + lr_end) / lr_init)
 
 
 def inverse_sqrt_factor(step: int, *, num_warmup_steps: int, timescale: int) -> float:
