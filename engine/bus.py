@@ -12,7 +12,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from .errors import ConfigError, HandlerError, StopTraining
+from .errors import ConfigError, HandlerError, TrainbusError
 from .events import Event, EventType, P, event_by_name
 from .filters import EventFilter, FilteredEvent
 
@@ -158,8 +158,9 @@ class EventBus:
     def fire(self, event: EventType[P], payload: P) -> None:
         """Count one occurrence of ``event`` and run its handlers in order.
 
-        A handler's exception is re-raised as HandlerError naming the handler and the event;
-        StopTraining and KeyboardInterrupt pass through unchanged.
+        A handler's exception is re-raised as HandlerError naming the handler and the event.
+        trainbus's own errors (ConfigError, ...) keep their type and get a note naming the handler;
+        KeyboardInterrupt and other BaseExceptions pass through unchanged.
         """
         n = self.count(event)
         self.dispatch(event, payload, n)
@@ -175,7 +176,13 @@ class EventBus:
                 logger.debug("%s -> %s", event.name, record.name)
             try:
                 record.fn(payload)
-            except (StopTraining, HandlerError):
+            except HandlerError:
+                raise
+            except TrainbusError as exc:
+                # our own errors already say what is wrong and what is allowed; keep their type so
+                # callers can catch ConfigError, and say where they came from
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"raised by handler {record.name!r} at event {event.name}")
                 raise
             except Exception as exc:
                 raise HandlerError(record.name, event.name, exc) from exc

@@ -32,13 +32,6 @@ class HandlerError(TrainbusError, RuntimeError):
         self.event = event
 
 
-class StopTraining(TrainbusError):
-    """Raised by a handler to stop at once; the loop still fires EPOCH_END and TRAIN_END.
-
-    Prefer ``engine.control.should_training_stop = True``, which stops after the current step.
-    """
-
-
 def suggest(name: str, allowed: Iterable[str]) -> str:
     """Return ``"; did you mean 'x'?"`` when ``name`` is close to one of ``allowed``, else ``""``."""
     close = difflib.get_close_matches(name, list(allowed), n=3, cutoff=0.6)

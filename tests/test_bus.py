@@ -172,3 +172,15 @@ def test_accumulation_steps_must_be_positive() -> None:
     engine = toy_engine(LoopConfig(4, 2, 1, 1, None, None))
     with pytest.raises(ConfigError, match="accumulation_steps must be an integer >= 1, got 0"):
         engine.accumulation_steps = 0
+
+
+def test_config_errors_from_handlers_keep_their_type_and_name_the_handler() -> None:
+    bus = EventBus()
+
+    def strict(ev: object) -> None:
+        raise ConfigError("metric 'acc' is not among the keys ['eval_loss']")
+
+    bus.on(Event.EVAL_END, strict, name="checker")
+    with pytest.raises(ConfigError, match="metric 'acc'") as info:
+        bus.fire(Event.EVAL_END, None)
+    assert any("checker" in note and "EVAL_END" in note for note in getattr(info.value, "__notes__", []))
