@@ -6,8 +6,9 @@ metric name before training from a dry evaluation's key list.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +28,38 @@ from .precision import MixedPrecision
 from .progress import Printer, ProgressBars
 from .regularization import LabelSmoothing, NEFTune
 from .schedulers import LRScheduler
+
+
+class TrainOutput(NamedTuple):
+    """What ``Trainer.train`` returns (HF's TrainOutput)."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class Computed:
+    """What the forward hook returns when a subclass's compute_loss / training_step produced the loss."""
+
+    __slots__ = ("loss", "outputs")
+
+    def __init__(self, loss: torch.Tensor, outputs: Any) -> None:
+        self.loss = loss
+        self.outputs = outputs
+
+    @property
+    def logits(self) -> Any:
+        from trainbus.hooks import model_output
+
+        return model_output(self.outputs)
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, numpy and torch (HF ``set_seed``)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
 
 if TYPE_CHECKING:
     from .arguments import TrainingArguments

@@ -75,9 +75,6 @@ class DataCollatorWithPadding:
         tokenizer: anything with ``pad(features, padding=..., return_tensors="pt")`` (a HF tokenizer).
         padding: passed to ``pad`` (``True`` = longest in the batch).
         pad_to_multiple_of: passed to ``pad``.
-
-    Example:
-        >>> collate = DataCollatorWithPadding(tokenizer)  # doctest: +SKIP
     """
 
     def __init__(self, tokenizer: Any, padding: bool | str = True, pad_to_multiple_of: int | None = None) -> None:

@@ -10,22 +10,22 @@ Subclass overrides of ``compute_loss``, ``training_step``, ``prediction_step``, 
 
 from __future__ import annotations
 
+import itertools
 import math
-import random
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 
 from trainbus.engine import ConfigError, Engine, Plugin, State
 from trainbus.hooks import forward as default_forward
-from trainbus.hooks import get_labels
+from trainbus.hooks import get_labels, loss_from_outputs
 
 from . import checkpoint as ckpt
 from .arguments import TrainingArguments
 from .callbacks import CallbackAdapter
-from .composition import build_plugins, check_metric_for_best_model
+from .composition import Computed as _Computed
+from .composition import TrainOutput, build_plugins, check_metric_for_best_model, set_seed
 from .data import (
     DataCollatorWithPadding,
     RemoveColumnsCollator,
@@ -39,37 +39,6 @@ from .evaluation import PredictionOutput, hf_prediction_step
 from .logging import TrainLogger
 from .optimizers import create_optimizer, fused_adamw_supported
 from .schedulers import LRScheduler, create_scheduler
-
-
-class TrainOutput(NamedTuple):
-    """What ``Trainer.train`` returns (HF's TrainOutput)."""
-
-    global_step: int
-    training_loss: float
-    metrics: dict[str, float]
-
-
-class _Computed:
-    """What the forward hook returns when a subclass's compute_loss / training_step produced the loss."""
-
-    __slots__ = ("loss", "outputs")
-
-    def __init__(self, loss: torch.Tensor, outputs: Any) -> None:
-        self.loss = loss
-        self.outputs = outputs
-
-    @property
-    def logits(self) -> Any:
-        from trainbus.hooks import model_output
-
-        return model_output(self.outputs)
-
-
-def set_seed(seed: int) -> None:
-    """Seed Python, numpy and torch (HF ``set_seed``)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class Trainer(Engine):
@@ -190,11 +159,8 @@ class Trainer(Engine):
             self.set_hook("compute_loss", lambda outputs, batch: outputs.loss)
         self.set_hook("prediction_step", self._prediction_step_hook)
 
-    def _has_labels(self, batch: Any) -> bool:
-        return get_labels(batch, tuple(self.label_names)) is not None
-
     def _forward_compute_loss(self, model: torch.nn.Module, batch: Any) -> Any:
-        if not model.training and not self._has_labels(batch):
+        if not model.training and get_labels(batch, tuple(self.label_names)) is None:
             return default_forward(model, batch)  # HF's prediction_step: no labels, no compute_loss
         result = self.compute_loss(model, batch, return_outputs=True)
         loss, outputs = result if isinstance(result, tuple) else (result, None)
@@ -221,17 +187,15 @@ class Trainer(Engine):
         num_items_in_batch: Any = None,
     ) -> Any:
         """The model's loss (or ``compute_loss_func(outputs, labels, num_items_in_batch=...)``)."""
-        if self.compute_loss_func is not None:
+        if self.compute_loss_func is None:
+            outputs = default_forward(model, inputs)
+            loss = loss_from_outputs(outputs)
+        else:
             labels = get_labels(inputs, tuple(self.label_names))
             if isinstance(inputs, Mapping):
                 inputs = {k: v for k, v in inputs.items() if k not in self.label_names}
             outputs = default_forward(model, inputs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        else:
-            outputs = default_forward(model, inputs)
-            from trainbus.hooks import loss_from_outputs
-
-            loss = loss_from_outputs(outputs)
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -318,13 +282,8 @@ class Trainer(Engine):
 
     def num_tokens(self, train_dl: Any, max_steps: int | None = None) -> int:
         """Input tokens in ``train_dl`` (``input_ids`` elements), over at most ``max_steps`` batches."""
-        total = 0
-        for step, batch in enumerate(train_dl):
-            if max_steps is not None and step >= max_steps:
-                break
-            if isinstance(batch, Mapping) and "input_ids" in batch:
-                total += int(batch["input_ids"].numel())
-        return total
+        batches = itertools.islice(train_dl, max_steps)
+        return sum(int(b["input_ids"].numel()) for b in batches if isinstance(b, Mapping) and "input_ids" in b)
 
     # -- optimizer and scheduler ------------------------------------------------------------------
     @property
