@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainbus.engine import ConfigError, Engine, Event, HandlerError, Priority
+from trainbus.engine import ConfigError, Engine, Event, Priority
 from trainbus.plugins.best_model import (
     BestMetric,
     check_metric_key,
@@ -108,14 +108,14 @@ def test_dict_of_eval_sets_with_compute_metrics_keys() -> None:
 
 def test_missing_metric_lists_keys() -> None:
     engine, _ = scripted_engine({"eval": [1.0]}, [X[:2]], [BestMetric("acuracy")], 1)
-    with pytest.raises(HandlerError, match=r"'eval_acuracy' is not among .*eval_loss, eval_score"):
+    with pytest.raises(ConfigError, match=r"'eval_acuracy' is not among .*eval_loss, eval_score"):
         engine.fit()
     sets = {"a": [X[:2]], "b": [X[2:4]]}
     engine, _ = scripted_engine({"eval_a": [1.0], "eval_b": [1.0]}, sets, [BestMetric("c_score")], 1)
-    with pytest.raises(HandlerError, match=r"'eval_c_score' is not among.*eval sets: eval_a, eval_b"):
+    with pytest.raises(ConfigError, match=r"'eval_c_score' is not among.*eval sets: eval_a, eval_b"):
         engine.fit()
     engine, _ = scripted_engine({"eval_a": [1.0], "eval_b": [1.0]}, sets, [BestMetric("loss")], 1)
-    with pytest.raises(HandlerError, match="eval_a_loss"):
+    with pytest.raises(ConfigError, match="eval_a_loss"):
         engine.fit()
 
 

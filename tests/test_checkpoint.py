@@ -134,7 +134,7 @@ def test_unsaveable_plugin_state_is_a_clear_error(tmp_path: Path) -> None:
 
     engine = make_engine(tmp_path, max_steps=1)
     engine.add_plugin(Bad())
-    with pytest.raises(HandlerError, match=r"type object at 'plugins/Bad/fn/inner'.*no pickle"):
+    with pytest.raises(ConfigError, match=r"type object at 'plugins/Bad/fn/inner'.*no pickle"):
         engine.fit()
     assert list_checkpoints(tmp_path) == [] and not list(tmp_path.iterdir())
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainbus.engine import ConfigError, Engine, Event, HandlerError, Priority
+from trainbus.engine import ConfigError, Engine, Event, Priority
 from trainbus.plugins.early_stopping import EarlyStopping, early_stop_index
 
 X = torch.randn(6, 3)
@@ -106,7 +106,7 @@ def test_bad_input() -> None:
     with pytest.raises(ConfigError, match="threshold must be a finite number >= 0"):
         EarlyStopping(threshold=-1.0)
     engine = scripted_engine({"eval": [1.0]}, [X[:2]], EarlyStopping("accuracy"), 1)
-    with pytest.raises(HandlerError, match=r"'eval_accuracy' is not among .*eval_score"):
+    with pytest.raises(ConfigError, match=r"'eval_accuracy' is not among .*eval_score"):
         engine.fit()
 
 

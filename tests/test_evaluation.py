@@ -252,9 +252,9 @@ def test_compute_metrics_returning_non_numbers() -> None:
 
 def test_empty_eval_set() -> None:
     engine = Engine(make_model(), loss_fn=torch.nn.CrossEntropyLoss(), plugins=[EvalCollector()])
-    with pytest.raises(HandlerError, match="'eval' dataset is empty"):
+    with pytest.raises(ConfigError, match="'eval' dataset is empty"):
         engine.evaluate([])
-    with pytest.raises(HandlerError, match="yielded no batches"):
+    with pytest.raises(ConfigError, match="yielded no batches"):
         engine.evaluate(iter([]))
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from ignite.metrics import Accuracy, ConfusionMatrix, Fbeta, Loss, Precision, Recall, TopKCategoricalAccuracy
 from sklearn.metrics import confusion_matrix, f1_score, precision_score, recall_score, top_k_accuracy_score
 
-from trainbus.engine import ConfigError, Engine, HandlerError
+from trainbus.engine import ConfigError, Engine
 from trainbus.plugins.evaluation import EvalCollector, EvalPrediction
 from trainbus.plugins.metrics import IgniteMetrics
 
@@ -128,9 +128,9 @@ def test_bad_input() -> None:
     with pytest.raises(ConfigError, match=r"'acc' is a function, not an ignite\.metrics\.Metric"):
         IgniteMetrics({"acc": lambda p: 1.0})  # type: ignore[dict-item]
     engine = Engine(make_model(), loss_fn=torch.nn.CrossEntropyLoss(), plugins=[IgniteMetrics({"a": Accuracy()})])
-    with pytest.raises(HandlerError, match="'eval' dataset is empty"):
+    with pytest.raises(ConfigError, match="'eval' dataset is empty"):
         engine.evaluate([])
-    with pytest.raises(HandlerError, match="saw no samples"):
+    with pytest.raises(ConfigError, match="saw no samples"):
         engine.evaluate(iter([]))
 
 
