@@ -43,15 +43,21 @@ def raw_loop(
 
 
 def alternate(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median wall time of each run, the runs interleaved so drift hits all of them alike."""
+    """Median CPU time of each run, the runs interleaved (order rotated every round).
+
+    CPU time (``time.process_time``) rather than wall time: on a shared 2-core VM wall time
+    mostly measures the neighbours. With one torch thread, CPU time is the work done.
+    """
     times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
     for fn in runs.values():  # warm-up
         fn()
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    for round_ in range(repeats):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order:
+            start = time.process_time()
+            runs[name]()
+            times[name].append(time.process_time() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
 

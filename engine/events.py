@@ -62,8 +62,11 @@ class EventType(Generic[P]):
     ) -> FilteredEvent[P]:
         """A filtered view of this event: fire the handler only on some occurrences.
 
-        Occurrences are counted per engine from 1 (``state.event_counts``, checkpointed), so
-        ``every=100`` on STEP_END means steps 100, 200, ... also across a resume.
+        The occurrence number a filter sees: for STEP_START, BEFORE_OPTIMIZER_STEP and STEP_END the
+        step number of the window (``global_step`` after it); for BATCH_START, LOSS, BACKWARD_END
+        the micro-batch number in the run (``state.micro_steps``); for OPTIMIZER_STEP the optimizer
+        steps taken; for every other event its firings in this engine (``state.event_counts``). All
+        live in State, so ``every=100`` on STEP_END means steps 100, 200, ... also across a resume.
         """
         from .filters import EventFilter, FilteredEvent
 

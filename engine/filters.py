@@ -1,9 +1,10 @@
 """Event filters: fire a handler only on some occurrences of an event.
 
-An occurrence number ``n`` counts the firings of one event in one engine from 1, and is kept in
-``state.event_counts`` so it survives a checkpoint. Filters combine: ``a | b`` fires when either
-does, ``a & b`` when both do. ``Event.STEP_END(every=100) | Event.STEP_END(once=1)`` is legal
-as a registration too (both sides must name the same event).
+A filter sees an occurrence number ``n`` (from 1): the step number for the events of a step, the
+micro-batch number for micro-batch events, the firings of the event otherwise (see
+``EventType.__call__``); all are kept in State, so they survive a checkpoint.
+Filters combine: ``a | b`` fires when either does, ``a & b`` when both do;
+``Event.STEP_END(every=100) | Event.STEP_END(once=1)`` registers one handler for both.
 """
 
 from __future__ import annotations

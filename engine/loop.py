@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from trainbus.hooks import Hooks, loss_with
+from trainbus.hooks import to_device as default_to_device
 
 from .bus import EventBus, Handle, Priority
 from .errors import ConfigError, check_positive_int, suggest
@@ -48,6 +49,16 @@ from .plugin import Plugin
 from .state import Control, State
 
 HookWrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+_END = object()  # end-of-epoch sentinel for next()
+# handler-table slots of the hot events, looked up once instead of per step
+_STEP_START = Event.STEP_START.index
+_BATCH_START = Event.BATCH_START.index
+_LOSS = Event.LOSS.index
+_BACKWARD_END = Event.BACKWARD_END.index
+_BEFORE_OPTIMIZER_STEP = Event.BEFORE_OPTIMIZER_STEP.index
+_OPTIMIZER_STEP = Event.OPTIMIZER_STEP.index
+_STEP_END = Event.STEP_END.index
 
 
 def data_length(data: Any) -> int | None:
@@ -121,13 +132,13 @@ class Engine:
         if device is None:
             first = next(itertools.chain(model.parameters(), model.buffers()), None)
             device = first.device if first is not None else torch.device("cpu")
-        self.device = torch.device(device)
+        self._device = torch.device(device)
         base = hooks or Hooks()
         if loss_fn is not None:
             base = replace(base, compute_loss=loss_with(loss_fn, self.label_names))
         self._base_hooks = base
         self._wrappers: list[tuple[object, str, HookWrapper]] = []
-        self.hooks = replace(base)
+        self._compose_hooks()
         self.bus = EventBus()
         self.state = State()
         self.control = Control()
@@ -157,6 +168,16 @@ class Engine:
             if self.max_epochs is None and self.max_steps is None:
                 raise ConfigError("set max_epochs or max_steps: both are missing, so the run has no end")
         self._train_data = data
+
+    @property
+    def device(self) -> torch.device:
+        """Where batches go (the model's device by default)."""
+        return self._device
+
+    @device.setter
+    def device(self, device: torch.device | str) -> None:
+        self._device = torch.device(device)
+        self._compose_hooks()
 
     @property
     def state(self) -> State:
@@ -220,6 +241,9 @@ class Engine:
         for _token, name, wrapper in self._wrappers:
             setattr(hooks, name, wrapper(getattr(hooks, name)))
         self.hooks = hooks
+        # batches from a DataLoader are CPU tensors: with the default hook and a CPU model,
+        # moving them is a no-op we skip on the hot path
+        self._move_batches = hooks.to_device is not default_to_device or self.device.type != "cpu"
 
     # -- plugins -------------------------------------------------------------------------------
     def add_plugin(self, plugin: Plugin) -> Plugin:
@@ -349,12 +373,17 @@ class Engine:
         k = self.accumulation_steps
         exhausted = False
         while True:
-            window = list(itertools.islice(batches, k))
+            if k == 1:  # the common case without islice / list building
+                batch = next(batches, _END)
+                window = [] if batch is _END else [batch]
+            else:
+                window = list(itertools.islice(batches, k))
             if not window:
                 exhausted = True
                 break
             self._train_window(window, steps_per_epoch)
-            self._side_effects()
+            if control.should_log or control.should_evaluate or control.should_save:
+                self._side_effects()
             if control.should_training_stop or control.should_epoch_stop or state.global_step >= max_steps:
                 break
         if exhausted and state.batches_in_epoch == 0:
@@ -375,62 +404,61 @@ class Engine:
     def _train_window(self, window: list[Any], steps_per_epoch: int | None) -> None:
         """One optimizer step over the micro-batches of ``window``.
 
-        This is the hot path: a payload is only built when the event has handlers (``listening``),
-        and nothing here reads a tensor's value (no host sync).
+        This is the hot path. A payload is only built when the event has handlers, and the
+        occurrence number filters see comes from the step counters the loop keeps anyway
+        (``global_step + 1`` for the window's step events, ``micro_steps`` for micro-batch
+        events, ``optimizer_steps_taken`` for OPTIMIZER_STEP), so nothing is counted per event.
+        Nothing here reads a tensor's value: no host sync.
         """
         hooks, model, state, optimizer, bus = self.hooks, self.model, self.state, self.optimizer, self.bus
         assert optimizer is not None
         listening = bus._handlers
-        count = bus.count
         size = len(window)
+        step = state.global_step + 1
+        move = self._move_batches
         self.step_outputs.clear()
-        n = count(Event.STEP_START)
-        if listening[Event.STEP_START.index]:
-            bus.dispatch(Event.STEP_START, StepStartEvent(self, window), n)
+        if listening[_STEP_START]:
+            bus.dispatch(Event.STEP_START, StepStartEvent(self, window), step)
         stepped = False
         try:
             for i, batch in enumerate(window):
-                n = count(Event.BATCH_START)
-                if listening[Event.BATCH_START.index]:
+                state.micro_steps += 1
+                if listening[_BATCH_START]:
                     started = BatchStartEvent(self, batch, i, size)
-                    bus.dispatch(Event.BATCH_START, started, n)
+                    bus.dispatch(Event.BATCH_START, started, state.micro_steps)
                     batch = started.batch
-                batch = hooks.to_device(batch, self.device)
+                if move:
+                    batch = hooks.to_device(batch, self.device)
                 outputs = hooks.forward(model, batch)
                 loss = hooks.compute_loss(outputs, batch)
-                n = count(Event.LOSS)
-                if listening[Event.LOSS.index]:
+                if listening[_LOSS]:
                     scored = LossEvent(self, batch, outputs, loss, i, size)
-                    bus.dispatch(Event.LOSS, scored, n)
+                    bus.dispatch(Event.LOSS, scored, state.micro_steps)
                     loss = scored.loss
                 hooks.backward(loss)
-                n = count(Event.BACKWARD_END)
-                if listening[Event.BACKWARD_END.index]:
-                    bus.dispatch(Event.BACKWARD_END, BackwardEndEvent(self, loss, i, size), n)
-            n = count(Event.BEFORE_OPTIMIZER_STEP)
+                if listening[_BACKWARD_END]:
+                    bus.dispatch(Event.BACKWARD_END, BackwardEndEvent(self, loss, i, size), state.micro_steps)
             skip = False
-            if listening[Event.BEFORE_OPTIMIZER_STEP.index]:
+            if listening[_BEFORE_OPTIMIZER_STEP]:
                 check = BeforeOptimizerStepEvent(self)
-                bus.dispatch(Event.BEFORE_OPTIMIZER_STEP, check, n)
+                bus.dispatch(Event.BEFORE_OPTIMIZER_STEP, check, step)
                 skip = check.skip
             if not skip:
                 stepped = hooks.optimizer_step(optimizer)
             if stepped:
                 state.optimizer_steps_taken += 1
-                n = count(Event.OPTIMIZER_STEP)
-                if listening[Event.OPTIMIZER_STEP.index]:
-                    bus.dispatch(Event.OPTIMIZER_STEP, OptimizerStepEvent(self), n)
+                if listening[_OPTIMIZER_STEP]:
+                    bus.dispatch(Event.OPTIMIZER_STEP, OptimizerStepEvent(self), state.optimizer_steps_taken)
         finally:
             # a failed window leaves no half-accumulated gradients behind
             hooks.zero_grad(optimizer)
-        state.global_step += 1
+        state.global_step = step
         state.epoch_step += 1
         state.batches_in_epoch += size
         if steps_per_epoch:
             state.epoch = state.epochs_completed + state.epoch_step / steps_per_epoch
-        n = count(Event.STEP_END)
-        if listening[Event.STEP_END.index]:
-            bus.dispatch(Event.STEP_END, StepEndEvent(self, stepped), n)
+        if listening[_STEP_END]:
+            bus.dispatch(Event.STEP_END, StepEndEvent(self, stepped), step)
 
     # -- evaluate / predict --------------------------------------------------------------------
     def evaluate(self, data: Any = None, *, prefix: str = "eval") -> dict[str, Any]:

@@ -53,7 +53,8 @@ class State:
     epoch_step: int = 0  # optimizer steps done in the current epoch
     batches_in_epoch: int = 0  # micro-batches consumed in the current epoch (what a resume skips)
     optimizer_steps_taken: int = 0  # global_step minus vetoed / overflowed steps
-    event_counts: dict[str, int] = field(default_factory=dict)
+    micro_steps: int = 0  # micro-batches trained on in the whole run
+    event_counts: dict[str, int] = field(default_factory=dict)  # firings of the events outside a step
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

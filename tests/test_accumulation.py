@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
-import time
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_helpers import free_port, run_processes
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -259,25 +258,9 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_ddp_syncs_once_per_window_and_equals_one_process() -> None:
-    import torch.multiprocessing as mp
-
-    started = time.monotonic()
-    # fork: the children need not import torch again (spawn costs ~4 s per child on 2 cores)
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as out:
-        context = mp.start_processes(_ddp_worker, args=(_free_port(), out), nprocs=2, join=False, start_method=method)
-        while not context.join(timeout=1):
-            if time.monotonic() - started > 60:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail("the 2-process DDP run did not finish in 60 s")
+        run_processes(_ddp_worker, (free_port(), out))
         results = []
         for rank in range(2):
             with open(os.path.join(out, f"rank{rank}.json")) as f:

@@ -6,13 +6,13 @@ import itertools
 import json
 import math
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from dist_helpers import free_port, run_processes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ignite.metrics import Accuracy, ConfusionMatrix, Fbeta, Loss, Precision, Recall, TopKCategoricalAccuracy
@@ -203,7 +203,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     from accelerate import PartialState
 
-    PartialState._reset_state()  # a forked child inherits the parent's single-process state
     state = PartialState(cpu=True)  # initialises the gloo process group as `accelerate launch` does
     try:
         result = [_evaluate(rank, world, batch_size) for batch_size in DIST_BATCHES]
@@ -213,13 +212,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_two_process_eval_equals_single_process(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # fork, not spawn: the children need not import torch, ignite and accelerate again (seconds each)
-    torch.multiprocessing.start_processes(
-        _worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="fork"
-    )
+    run_processes(_worker, (2, free_port(), str(tmp_path)))
     for rank, batch_size in itertools.product((0, 1), range(len(DIST_BATCHES))):
         single = _evaluate(None, 1, DIST_BATCHES[batch_size])
         got = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())[batch_size]
