@@ -42,23 +42,25 @@ def raw_loop(
         optimizer.zero_grad(set_to_none=True)
 
 
-def alternate(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median CPU time of each run, the runs interleaved (order rotated every round).
+def paired_ratio(baseline: Callable[[], None], run: Callable[[], None], rounds: int) -> tuple[float, float, float]:
+    """Median over rounds of time(run) / time(baseline), the two run back to back, order alternating.
 
-    CPU time (``time.process_time``) rather than wall time: on a shared 2-core VM wall time
-    mostly measures the neighbours. With one torch thread, CPU time is the work done.
+    Returns (median ratio, median baseline seconds, median run seconds). Pairing adjacent runs
+    cancels the slow drifts of a shared VM, which dwarf a few percent between medians taken apart.
     """
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for fn in runs.values():  # warm-up
-        fn()
-    for round_ in range(repeats):
-        order = names[round_ % len(names) :] + names[: round_ % len(names)]
-        for name in order:
-            start = time.process_time()
-            runs[name]()
-            times[name].append(time.process_time() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    baseline()  # warm-up: lazy optimizer state, allocator caches
+    run()
+    ratios: list[float] = []
+    base_times: list[float] = []
+    run_times: list[float] = []
+    for round_ in range(rounds):
+        pair = ((baseline, base_times), (run, run_times))
+        for fn, times in pair if round_ % 2 == 0 else pair[::-1]:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        ratios.append(run_times[-1] / base_times[-1])
+    return statistics.median(ratios), statistics.median(base_times), statistics.median(run_times)
 
 
 class SyncCounter(TorchDispatchMode):

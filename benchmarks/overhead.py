@@ -1,10 +1,10 @@
 """Overhead of trainbus against a raw PyTorch loop on a tiny MLP (batch 8, fused AdamW, 1 thread).
 
-Usage: python -m benchmarks.overhead [--steps 3000] [--repeats 7]
+Usage: python -m benchmarks.overhead [--steps 250] [--rounds 40]
 
-Prints: the median time ratio of alternating runs (engine / raw), host syncs per step, and the
-dispatch cost of one event with 0, 1 and 10 handlers. Rows for plugin stacks and the Trainer
-facade are added by the functions in ROWS when their plugins exist.
+Prints: the time ratio of each run against its baseline (median over paired, alternating rounds),
+host syncs per step, and the dispatch cost of one event with 0, 1 and 10 handlers. The plugin-stack
+and facade rows come from benchmarks/rows.py, each against a raw loop doing the same work.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import alternate, count_syncs, make_batches, make_model, make_optimizer, print_table, raw_loop
+from benchmarks.common import count_syncs, make_batches, make_model, make_optimizer, paired_ratio, print_table, raw_loop
 from benchmarks.rows import extra_runs
 from trainbus.engine import Engine, Event, EventBus
 
@@ -70,51 +70,51 @@ def dispatch_cost(handlers: int, fires: int = 200_000) -> float:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=250, help="optimizer steps per timed run")
+    parser.add_argument("--rounds", type=int, default=40, help="paired rounds per row")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     batches = make_batches(args.steps)
-    runs = {"raw": raw_run(batches), "engine": engine_run(batches)}
-    extra = extra_runs(batches)
-    runs.update({name: run for name, (run, _) in extra.items()})
-    medians = alternate(runs, args.repeats)
-    raw = medians["raw"]
-    rows = [
-        [
-            "engine (no plugins)",
-            "raw loop",
-            f"{medians['engine'] * 1e6 / args.steps:.1f}",
-            f"{medians['engine'] / raw:.3f}",
-        ]
+    rows_spec: list[tuple[str, str, Callable[[], None], Callable[[], None]]] = [
+        ("engine (no plugins)", "raw loop", raw_run(batches), engine_run(batches))
     ]
-    for name, (_, baseline) in extra.items():
-        if baseline is None:
-            continue
-        base = medians[baseline]
-        rows.append([name, baseline, f"{medians[name] * 1e6 / args.steps:.1f}", f"{medians[name] / base:.3f}"])
-    rows.insert(0, ["raw loop", "-", f"{raw * 1e6 / args.steps:.1f}", "1.000"])
+    extra = extra_runs(batches)
+    for name, (run, baseline) in extra.items():
+        if baseline is not None:
+            rows_spec.append((name, baseline, extra[baseline][0], run))
+    rows = []
+    ratios: dict[str, float] = {}
+    for name, baseline_name, baseline, run in rows_spec:
+        ratio, base_s, run_s = paired_ratio(baseline, run, args.rounds)
+        ratios[name] = ratio
+        rows.append(
+            [name, baseline_name, f"{base_s * 1e6 / args.steps:.1f}", f"{run_s * 1e6 / args.steps:.1f}", f"{ratio:.3f}"]
+        )
     print_table(
-        f"Time per step, median of {args.repeats} alternating runs of {args.steps} steps "
+        f"Time per step: median of {args.rounds} paired rounds of {args.steps} steps "
         "(tiny MLP, batch 8, fused AdamW, 1 thread)",
-        ["run", "against", "us/step", "ratio"],
+        ["run", "against", "baseline us/step", "run us/step", "ratio"],
         rows,
     )
-    sync_steps = 50
+    sync_steps = 40
     small = make_batches(sync_steps)
     sync_rows = [["engine (no plugins)", f"{syncs_per_step(engine_run(small), sync_steps):.2f}"]]
-    for name, (_, baseline) in extra.items():
-        if baseline is None:
-            continue
-        sync_rows.append([name, f"{syncs_per_step(extra_runs(small)[name][0], sync_steps):.2f}"])
+    small_extra = extra_runs(small)
+    for name, (run, baseline) in small_extra.items():
+        if baseline is not None:
+            sync_rows.append([name, f"{syncs_per_step(run, sync_steps):.2f}"])
     print_table(
         "Host syncs per step (TorchDispatchMode: _local_scalar_dense, is_nonzero, item)",
         ["run", "syncs/step"],
         sync_rows,
     )
     cost = {n: dispatch_cost(n) for n in (0, 1, 10)}
-    print_table("Dispatch cost of one event", ["handlers", "us/event"], [[str(n), f"{c:.2f}"] for n, c in cost.items()])
-    return {"engine_ratio": medians["engine"] / raw}
+    print_table(
+        "Dispatch cost of one event (bus.fire)",
+        ["handlers", "us/event"],
+        [[str(n), f"{c:.2f}"] for n, c in cost.items()],
+    )
+    return ratios
 
 
 if __name__ == "__main__":

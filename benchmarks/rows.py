@@ -20,7 +20,11 @@ ACCUMULATION = 4
 
 
 def _raw_stack(batches: list[Any]) -> Run:
-    """A hand-written loop with accumulation (k=4), clipping at 1.0 and a linear schedule."""
+    """A hand-written loop with accumulation (k=4), clipping at 1.0 and a linear schedule.
+
+    Doing the same work as the plugins: each micro-batch's loss is weighted by its share of the
+    window's items (labels that are not -100), the normalisation that makes accumulation exact.
+    """
     model = make_model()
     optimizer = make_optimizer(model)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -32,8 +36,10 @@ def _raw_stack(batches: list[Any]) -> Run:
         model.train()
         for start in range(0, len(batches), ACCUMULATION):
             window = batches[start : start + ACCUMULATION]
-            for x, y in window:
-                (loss_fn(model(x), y) / len(window)).backward()
+            counts = [int(y.ne(-100).sum()) for _, y in window]
+            total = sum(counts)
+            for (x, y), n in zip(window, counts):
+                (loss_fn(model(x), y) * (n / total)).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
             optimizer.step()
             scheduler.step()

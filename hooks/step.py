@@ -74,6 +74,8 @@ def loss_with(loss_fn: LossFn, label_names: tuple[str, ...] = ("labels",)) -> Ca
     """A compute_loss hook that applies ``loss_fn(prediction, labels)``, e.g. ``nn.CrossEntropyLoss()``."""
 
     def compute_loss_with_fn(outputs: Any, batch: Any) -> torch.Tensor:
+        if type(batch) is tuple and len(batch) == 2 and type(outputs) is torch.Tensor:
+            return loss_fn(outputs, batch[1])  # the (inputs, target) case, without the general lookups
         labels = get_labels(batch, label_names)
         if labels is None:
             raise ValueError(f"the batch has no labels (looked for {label_names} or a trailing tuple element)")

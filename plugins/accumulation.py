@@ -90,14 +90,25 @@ class GradientAccumulation(Plugin):
 
     def attach(self, engine: Engine) -> None:
         engine.accumulation_steps = self.steps
+        self._ddp_handles: list[Any] = []
+        self.on(engine, Event.TRAIN_START, self.train_start)
         self.on(engine, Event.STEP_START, self.step_start)
-        self.on(engine, Event.BATCH_START, self.batch_start, priority=Priority.LAST)
         self.on(engine, Event.LOSS, self.scale_loss)
-        self.on(engine, Event.BACKWARD_END, self.backward_end, priority=Priority.FIRST)
+
+    def train_start(self, event: Any) -> None:
+        # per-micro-batch handlers only where there is a gradient sync to skip (a DDP model,
+        # possibly wrapped after attach): without them the hot path builds no payload per batch
+        engine = event.engine
+        if callable(getattr(engine.model, "no_sync", None)) and not self._ddp_handles:
+            self._ddp_handles = [
+                self.on(engine, Event.BATCH_START, self.batch_start, priority=Priority.LAST),
+                self.on(engine, Event.BACKWARD_END, self.backward_end, priority=Priority.FIRST),
+            ]
 
     def detach(self, engine: Engine) -> None:
         self._sync_off.close()
         super().detach(engine)
+        self._ddp_handles = []
         engine.accumulation_steps = 1
 
     # -- the window ------------------------------------------------------------------------------
@@ -126,17 +137,16 @@ class GradientAccumulation(Plugin):
         else:
             event.loss = loss * factor
         self.micro_batches_seen += 1
+        self.micro_index = event.micro_index + 1 if event.micro_index + 1 < event.window_size else 0
 
     # -- DDP: all-reduce once per window ---------------------------------------------------------
     def batch_start(self, event: BatchStartEvent) -> None:
-        self.micro_index = event.micro_index
         no_sync = getattr(event.engine.model, "no_sync", None)
         if callable(no_sync) and event.micro_index < event.window_size - 1:
             self._sync_off.enter_context(no_sync())
 
     def backward_end(self, event: BackwardEndEvent) -> None:
         self._sync_off.close()
-        self.micro_index = event.micro_index + 1 if event.micro_index + 1 < event.window_size else 0
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -122,3 +122,25 @@ def test_iterable_data_without_length_trains_for_max_steps() -> None:
     assert isinstance(recorder, EventRecorder)
     check_trace(recorder.names)
     assert recorder.names.count("EPOCH_START") == 3  # 4 + 4 + 2 batches
+
+
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(1, 20))
+def test_step_and_micro_batch_filters_count_steps_not_firings(k: int, every: int, stop: int) -> None:
+    config = LoopConfig(24, 2, k, 2, None, None)
+    engine = toy_engine(config)
+    at_steps: list[int] = []
+    at_micro: list[int] = []
+    engine.on(Event.STEP_END(every=every), lambda ev: at_steps.append(ev.engine.state.global_step))
+    engine.on(Event.LOSS(every=every), lambda ev: at_micro.append(ev.engine.state.micro_steps))
+
+    def interrupt(ev) -> None:  # type: ignore[no-untyped-def]
+        if ev.engine.state.global_step == stop:
+            ev.engine.control.should_training_stop = True
+
+    handle = engine.on(Event.STEP_END, interrupt)
+    engine.fit()
+    handle.remove()
+    engine.fit()  # continue: the filters stay aligned with the run's step and micro-batch numbers
+    total_steps = 2 * config.steps_per_epoch
+    assert at_steps == [s for s in range(1, total_steps + 1) if s % every == 0]
+    assert at_micro == [m for m in range(1, 2 * config.batches_per_epoch + 1) if m % every == 0]
