@@ -91,9 +91,13 @@ def _dataset(batches: list[Any]) -> list[dict[str, torch.Tensor]]:
 
 
 def _raw_facade_baseline(batches: list[Any]) -> Run:
-    """What the facade's defaults do, by hand: DataLoader + collation, clipping, linear schedule."""
+    """What the facade's defaults do, by hand: DataLoader + collation, weight-decay parameter groups
+    (biases apart, as HF makes them), clipping at 1.0, a linear schedule."""
     model = MLPWithLoss()
-    optimizer = make_optimizer(model)
+    decay = [p for name, p in model.named_parameters() if not name.endswith("bias")]
+    no_decay = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    groups = [{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3, fused=True)
     data = _dataset(batches)
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
     params = list(model.parameters())

@@ -1,13 +1,15 @@
 """TrainLogger: HF's training logs (loss of the window, learning_rate, grad_norm, epoch) with one host sync per window.
 
-The window's loss sum stays on the device; at each logging point the loss, the grad norm and any
-pending token count are stacked and read together, so a run with L logging windows makes L host
-reads for logging and none per step. NaN / Inf losses are filtered on the device, as HF's
-``logging_nan_inf_filter`` does (a bad loss adds the window's running mean instead).
+Per micro-batch the logger only keeps the detached loss (no device op, no host read). At each
+logging point the window's losses, the grad norm and any pending token count are stacked and read
+together, so a run with L logging windows makes L host reads for logging and none per step. NaN /
+Inf losses are then filtered on the host exactly as HF's ``logging_nan_inf_filter`` does (a bad
+micro-batch loss adds the window's running mean instead).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -19,12 +21,11 @@ from trainbus.hooks import batch_size_of
 
 if TYPE_CHECKING:
     from trainbus.engine import (
-        BackwardEndEvent,
-        BatchStartEvent,
         BeforeOptimizerStepEvent,
         Engine,
         EvalEndEvent,
         LogEvent,
+        LossEvent,
         StepEndEvent,
         TrainEndEvent,
         TrainStartEvent,
@@ -67,7 +68,7 @@ class TrainLogger(Plugin):
         self.input_name = input_name
         self.log_eval_metrics = log_eval_metrics
         self.train_metrics: dict[str, float] = {}
-        self._window: torch.Tensor | None = None
+        self._window: list[tuple[torch.Tensor, int]] | None = None  # (loss, global_step at the time)
         self._grad_norm: Any = None
         self._lr: Any = None
         self._pending_tokens: Any = 0  # int, or a device tensor for non_padding counts
@@ -79,8 +80,7 @@ class TrainLogger(Plugin):
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_START, self.train_start, priority=Priority.FIRST)
-        self.on(engine, Event.BATCH_START, self.batch_start, priority=Priority.LAST)
-        self.on(engine, Event.BACKWARD_END, self.backward_end, priority=Priority.CONSUMER)
+        self.on(engine, Event.LOSS, self.loss, priority=Priority.CONSUMER)  # after loss normalisation
         self.on(engine, Event.BEFORE_OPTIMIZER_STEP, self.before_optimizer_step, priority=Priority.LAST)
         self.on(engine, Event.STEP_END, self.step_end, priority=Priority.FIRST)
         self.on(engine, Event.LOG, self.fill)
@@ -92,7 +92,7 @@ class TrainLogger(Plugin):
     # -- per step: device work only ----------------------------------------------------------------
     def train_start(self, ev: TrainStartEvent) -> None:
         engine = ev.engine
-        self._window = torch.zeros((), device=engine.device)
+        self._window = []
         self._last_logged = self._start_step = engine.state.global_step
         self._total_loss = 0.0
         self._samples = 0
@@ -100,11 +100,13 @@ class TrainLogger(Plugin):
         self._start_time = time.perf_counter()
         self.train_metrics = {}
 
-    def batch_start(self, ev: BatchStartEvent) -> None:
-        self._samples += batch_size_of(ev.batch)
+    def loss(self, ev: LossEvent) -> None:
+        assert self._window is not None
+        self._window.append((ev.loss.detach(), ev.engine.state.global_step))
+        batch = ev.batch
+        self._samples += batch_size_of(batch)
         if self.tokens == "no":
             return
-        batch = ev.batch
         if not isinstance(batch, Mapping) or self.input_name not in batch:
             raise ConfigError(
                 f"include_num_input_tokens_seen needs dict batches with {self.input_name!r}; "
@@ -116,17 +118,6 @@ class TrainLogger(Plugin):
         else:
             self._pending_tokens += int(batch[self.input_name].numel())  # a shape: no sync
 
-    def backward_end(self, ev: BackwardEndEvent) -> None:
-        assert self._window is not None
-        loss = ev.loss.detach().float()
-        if loss.device != self._window.device:
-            loss = loss.to(self._window.device)
-        if self.nan_inf_filter:
-            mean = self._window / (1 + ev.engine.state.global_step - self._last_logged)
-            self._window = self._window + torch.where(torch.isfinite(loss), loss, mean)
-        else:
-            self._window = self._window + loss
-
     def before_optimizer_step(self, ev: BeforeOptimizerStepEvent) -> None:
         optimizer = ev.engine.optimizer
         # the rate this step uses, read before a scheduler moves it (HF logs the same)
@@ -137,19 +128,24 @@ class TrainLogger(Plugin):
 
     # -- logging points: one host read ------------------------------------------------------------
     def _read(self, engine: Engine) -> dict[str, Any]:
-        """Read the window's loss, grad norm, lr and tokens with a single device-to-host transfer."""
+        """Read the window's losses, grad norm, lr and tokens with a single device-to-host transfer."""
         assert self._window is not None
-        names = ["loss"]
-        values = [self._window]
+        window, self._window = self._window, []
+        extras: list[tuple[str, torch.Tensor]] = []
         for name, value in (
             ("grad_norm", self._grad_norm),
             ("learning_rate", self._lr),
             ("tokens", self._pending_tokens),
         ):
             if isinstance(value, torch.Tensor):
-                names.append(name)
-                values.append(value.detach().reshape(()).to(self._window.device, torch.float64))
-        read = dict(zip(names, torch.stack([v.to(torch.float64) for v in values]).tolist(), strict=True))
+                extras.append((name, value.detach().reshape(())))
+        tensors = [loss.reshape(()) for loss, _ in window] + [value for _, value in extras]
+        values: list[float] = []
+        if tensors:
+            device = tensors[0].device
+            values = torch.stack([t.to(device, torch.float64) for t in tensors]).tolist()
+        read: dict[str, Any] = {"loss": self._filtered_sum(values[: len(window)], [step for _, step in window])}
+        read.update(zip([name for name, _ in extras], values[len(window) :], strict=True))
         for name, value in (
             ("grad_norm", self._grad_norm),
             ("learning_rate", self._lr),
@@ -157,9 +153,18 @@ class TrainLogger(Plugin):
         ):
             if value is not None and not isinstance(value, torch.Tensor):
                 read[name] = value
-        self._window = torch.zeros((), device=self._window.device)
         self._flush_tokens(engine, read.pop("tokens", 0))
         return read
+
+    def _filtered_sum(self, losses: list[float], steps: list[int]) -> float:
+        """The window's loss sum; with the filter, a non-finite loss adds the running mean (HF's rule)."""
+        total = 0.0
+        for loss, step in zip(losses, steps, strict=True):
+            if self.nan_inf_filter and not math.isfinite(loss):
+                total += total / (1 + step - self._last_logged)
+            else:
+                total += loss
+        return total
 
     def _flush_tokens(self, engine: Engine, tokens: float) -> None:
         engine.state.num_input_tokens_seen += int(tokens)
