@@ -78,46 +78,46 @@ class EventType(Generic[P]):
         return FilteredEvent(self, flt)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Payload:
     """Base of every payload: the engine that fired the event."""
 
     engine: Engine
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TrainStartEvent(Payload):
     pass
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TrainEndEvent(Payload):
     pass
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class EpochStartEvent(Payload):
     epoch: int  # 0-based index of the epoch that starts
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class EpochEndEvent(Payload):
     epoch: int
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StepStartEvent(Payload):
     batches: list[Any]  # the window's micro-batches, as the data loader gave them
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class BatchStartEvent(Payload):
     batch: Any  # replaceable
     micro_index: int  # position in the window, 0-based
     window_size: int
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LossEvent(Payload):
     batch: Any  # the batch after to_device
     outputs: Any
@@ -126,41 +126,41 @@ class LossEvent(Payload):
     window_size: int
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class BackwardEndEvent(Payload):
     loss: Any
     micro_index: int
     window_size: int
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class BeforeOptimizerStepEvent(Payload):
     skip: bool = False  # a handler sets True to veto this optimizer step
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class OptimizerStepEvent(Payload):
     pass
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StepEndEvent(Payload):
     stepped: bool  # False when the optimizer step was vetoed or skipped
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LogEvent(Payload):
     logs: dict[str, float]  # mutable: producers add values, sinks write them
     window: bool  # True when fired by the loop at a logging point; False for engine.log(...)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class EvalStartEvent(Payload):
     dataloader: Any
     prefix: str  # metric key prefix, e.g. "eval" or "eval_valid"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class EvalBatchEndEvent(Payload):
     batch: Any
     loss: Any  # tensor or None
@@ -169,23 +169,23 @@ class EvalBatchEndEvent(Payload):
     prefix: str
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class EvalEndEvent(Payload):
     metrics: dict[str, Any]  # mutable: metric plugins fill it; evaluate() returns it
     prefix: str
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SaveEvent(Payload):
     pass
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PredictStartEvent(Payload):
     dataloader: Any
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PredictBatchEndEvent(Payload):
     batch: Any
     loss: Any
@@ -193,7 +193,7 @@ class PredictBatchEndEvent(Payload):
     labels: Any
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PredictEndEvent(Payload):
     output: Any = None  # set by a collecting plugin; predict() returns it
     metrics: dict[str, Any] = field(default_factory=dict)

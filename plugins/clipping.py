@@ -80,4 +80,4 @@ class GradientClipping(Plugin):
             torch.nn.utils.clip_grad_value_(self._params, self.clip_value, foreach=True)
         if self.max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_norm, self.norm_type, foreach=True)
-            event.engine.step_outputs["grad_norm"] = norm.detach()
+            event.engine.step_outputs["grad_norm"] = norm  # computed under no_grad: nothing to detach
