@@ -42,11 +42,14 @@ def raw_loop(
         optimizer.zero_grad(set_to_none=True)
 
 
-def paired_ratio(baseline: Callable[[], None], run: Callable[[], None], rounds: int) -> tuple[float, float, float]:
+def paired_ratio(
+    baseline: Callable[[], None], run: Callable[[], None], rounds: int
+) -> tuple[float, float, float, float]:
     """Median over rounds of time(run) / time(baseline), the two run back to back, order alternating.
 
-    Returns (median ratio, median baseline seconds, median run seconds). Pairing adjacent runs
-    cancels the slow drifts of a shared VM, which dwarf a few percent between medians taken apart.
+    Returns (median ratio, interquartile range of the ratios, median baseline s, median run s).
+    Times are this thread's CPU time; pairing adjacent runs cancels the slow drifts of a shared VM,
+    which dwarf a few percent between medians taken apart. The IQR says how far to trust the median.
     """
     baseline()  # warm-up: lazy optimizer state, allocator caches
     run()
@@ -56,11 +59,17 @@ def paired_ratio(baseline: Callable[[], None], run: Callable[[], None], rounds: 
     for round_ in range(rounds):
         pair = ((baseline, base_times), (run, run_times))
         for fn, times in pair if round_ % 2 == 0 else pair[::-1]:
-            start = time.perf_counter()
+            start = time.thread_time()
             fn()
-            times.append(time.perf_counter() - start)
+            times.append(time.thread_time() - start)
         ratios.append(run_times[-1] / base_times[-1])
-    return statistics.median(ratios), statistics.median(base_times), statistics.median(run_times)
+    quartiles = statistics.quantiles(ratios, n=4)
+    return (
+        statistics.median(ratios),
+        quartiles[2] - quartiles[0],
+        statistics.median(base_times),
+        statistics.median(run_times),
+    )
 
 
 class SyncCounter(TorchDispatchMode):
