@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 FEATURES, HIDDEN, CLASSES, BATCH = 32, 64, 4, 8
 
@@ -70,28 +68,6 @@ def paired_ratio(
         statistics.median(base_times),
         statistics.median(run_times),
     )
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts device-to-host synchronisations: reading a tensor's value into Python."""
-
-    SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if any(str(func).startswith(op) for op in self.SYNC_OPS):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-@contextmanager
-def count_syncs() -> Iterator[SyncCounter]:
-    counter = SyncCounter()
-    with counter:
-        yield counter
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:

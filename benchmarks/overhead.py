@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import count_syncs, make_batches, make_model, make_optimizer, paired_ratio, print_table, raw_loop
+from benchmarks.common import make_batches, make_model, make_optimizer, paired_ratio, print_table, raw_loop
 from benchmarks.rows import extra_runs
 from trainbus.engine import Engine, Event, EventBus
+from trainbus.engine.testing import count_syncs
 from trainbus.hooks import Hooks
 
 

@@ -23,12 +23,14 @@ The grammar every trace obeys (SIDE = LOG | EVAL_START EVAL_BATCH_END* EVAL_END 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bus import Priority
 from .events import Event
@@ -247,7 +249,64 @@ def toy_engine(config: LoopConfig, plugins: Sequence[Plugin] = (), lr: float = 0
     return engine
 
 
+class SyncCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts reads of tensor values into Python: each is a host sync when the tensor is on a GPU.
+
+    Counts the aten ops behind ``.item()``, ``float(t)``, ``bool(t)`` (``_local_scalar_dense``,
+    ``is_nonzero``) and, patched while the counter is active, ``Tensor.tolist`` and
+    ``Tensor.numpy``, which read memory without an aten op on the CPU.
+
+    Example:
+        >>> import torch
+        >>> with count_syncs() as counter:
+        ...     _ = float(torch.ones(()) * 2)
+        >>> counter.count
+        1
+    """
+
+    SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item")
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+        self._patched: dict[str, Any] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if str(func).startswith(self.SYNC_OPS):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> SyncCounter:
+        for name in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, name)
+            self._patched[name] = original
+
+            def counted(tensor: torch.Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                self.count += 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        for name, original in self._patched.items():
+            setattr(torch.Tensor, name, original)
+        self._patched.clear()
+
+
+@contextmanager
+def count_syncs() -> Iterator[SyncCounter]:
+    """``with count_syncs() as counter: ...`` then ``counter.count``."""
+    counter = SyncCounter()
+    with counter:
+        yield counter
+
+
 __all__ = [
+    "SyncCounter",
+    "count_syncs",
     "EventRecorder",
     "LoopConfig",
     "StopAtStep",

@@ -12,28 +12,13 @@ import torch
 from facade_helpers import Regressor, quiet_args, regression_data, tiny_bert, token_data
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainbus.engine import Engine, Event
+from trainbus.engine.testing import SyncCounter
 from trainbus.plugins.accumulation import GradientAccumulation
 from trainbus.plugins.flow import FlowControl
 from trainbus.plugins.logging import ConsoleSink, TrainLogger
 from trainbus.plugins.trainer import Trainer
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts the ops that make the host wait for the device."""
-
-    SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if any(str(func).startswith(op) for op in self.SYNC_OPS):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def make_engine(batches: int, log_every: int, k: int = 1, nan_at: set[int] | None = None) -> tuple[Engine, list[float]]:
@@ -120,8 +105,10 @@ def test_at_most_one_host_sync_per_logging_window(tmp_path: Path, log_every: int
     with SyncCounter() as counter:
         trainer.train()
     windows = steps // log_every
-    # + the read of the last partial window at TRAIN_END + the DataLoader's seed draw for the epoch
-    assert counter.count <= windows + 2
+    # + the read of the last partial window at TRAIN_END, and per epoch the DataLoader's seed draw
+    # and the seeded sampler's permutation (CPU reads the counter also sees, via .item() and .tolist())
+    epochs = -(-steps // 12)  # 48 samples, batch 4
+    assert counter.count <= windows + 1 + 2 * epochs
     assert len([h for h in trainer.state.log_history if "loss" in h]) == windows
 
 
