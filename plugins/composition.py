@@ -28,6 +28,7 @@ from .precision import MixedPrecision
 from .progress import Printer, ProgressBars
 from .regularization import LabelSmoothing, NEFTune
 from .schedulers import LRScheduler
+from .sinks import SINKS as _SINKS  # noqa: F401  (importing sinks registers jsonl / csv / tensorboard)
 
 
 class TrainOutput(NamedTuple):

@@ -1,0 +1,250 @@
+"""Log sinks on the LOG event: JSON lines, CSV and TensorBoard, registered as ``report_to`` names.
+
+Each sink writes the record TrainLogger put in the LOG payload plus ``step`` (the global step),
+the same dict HF appends to ``state.log_history``. Only the world main process writes. Sinks run
+at ``Priority.CONSUMER``, after the producers have filled the payload.
+
+Importing this module adds ``"jsonl"``, ``"csv"`` and ``"tensorboard"`` to ``logging.SINKS``, so
+``TrainingArguments(report_to=["jsonl", "csv", "tensorboard"])`` writes ``logs.jsonl``,
+``logs.csv`` and ``runs/<time>_<host>/`` (or ``logging_dir``) under ``output_dir``.
+
+A sink whose file already exists appends to it, except at the start of a fresh run
+(``global_step == 0`` at TRAIN_START) where it starts the file anew; a resumed run appends.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+import socket
+from collections.abc import Mapping
+from numbers import Integral, Real
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainbus.engine import ConfigError, Event, Plugin, Priority
+
+from .logging import SINKS
+
+if TYPE_CHECKING:
+    from trainbus.engine import Engine, LogEvent, TrainEndEvent, TrainStartEvent
+
+__all__ = ["CsvSink", "JsonlSink", "TensorBoardSink", "default_logging_dir", "to_json_value"]
+
+
+def to_json_value(value: Any) -> Any:
+    """A strict-JSON value: ints/floats as numbers (NaN / inf as "nan" / "inf" / "-inf"), else a string.
+
+    One-element tensors are read with ``.item()`` (a sink runs once per logging window, not per step).
+
+    Example:
+        >>> to_json_value(float("nan")), to_json_value(2), to_json_value(-math.inf)
+        ('nan', 2, '-inf')
+    """
+    value = _scalar(value)
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Integral):
+        return int(value)
+    if isinstance(value, Real):
+        number = float(value)
+        return number if math.isfinite(number) else str(number)
+    return str(value)
+
+
+def _scalar(value: Any) -> Any:
+    """A one-element tensor as a Python number; anything else unchanged."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
+
+
+def _record(ev: LogEvent) -> dict[str, Any]:
+    return {**ev.logs, "step": ev.engine.state.global_step}
+
+
+class _FileSink(Plugin):
+    """Shared behaviour: write on LOG from the main process; start a fresh run's file anew."""
+
+    priority = Priority.CONSUMER
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, Event.TRAIN_START, self.train_start)
+        self.on(engine, Event.LOG, self.log)
+
+    def train_start(self, ev: TrainStartEvent) -> None:
+        state = ev.engine.state
+        if state.is_world_process_zero and state.global_step == 0 and self.path.exists():
+            self.path.unlink()  # a fresh run: the previous run's records are not this run's history
+
+    def log(self, ev: LogEvent) -> None:
+        if ev.logs and ev.engine.state.is_world_process_zero:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.write(_record(ev))
+
+    def write(self, record: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class JsonlSink(_FileSink):
+    """Appends each log record as one JSON object per line, flushed at once (strict JSON: no NaN).
+
+    Args:
+        path: the ``.jsonl`` file (its folder is created on the first write).
+
+    Example:
+        >>> from trainbus.plugins.sinks import JsonlSink
+        >>> sink = JsonlSink("out/logs.jsonl")
+    """
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps({str(k): to_json_value(v) for k, v in record.items()}, allow_nan=False)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(line + "\n")
+            f.flush()
+
+
+class CsvSink(_FileSink):
+    """Writes log records as rows of a CSV table: ``step`` first, then every key in order of appearance.
+
+    A record with a key the header lacks rewrites the file with the union of the columns (rows
+    written before get empty cells there), through a temporary file and an atomic rename, so the
+    file is always one well-formed table. Records with known keys are appended.
+
+    Args:
+        path: the ``.csv`` file (its folder is created on the first write).
+
+    Example:
+        >>> from trainbus.plugins.sinks import CsvSink
+        >>> sink = CsvSink("out/logs.csv")
+    """
+
+    def write(self, record: dict[str, Any]) -> None:
+        row = {str(k): _csv_value(v) for k, v in record.items()}
+        header = self._header()
+        new = [k for k in row if k not in header]
+        if header and not new:
+            with self.path.open("a", encoding="utf-8", newline="") as f:
+                csv.DictWriter(f, fieldnames=header).writerow(row)
+            return
+        header = header or ["step"]
+        header = header + [k for k in new if k not in header]
+        rows = [*self._rows(), row]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=header, restval="")
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.path)
+
+    def _header(self) -> list[str]:
+        if not self.path.exists():
+            return []
+        with self.path.open(encoding="utf-8", newline="") as f:
+            return next(csv.reader(f), [])
+
+    def _rows(self) -> list[dict[str, str]]:
+        if not self.path.exists():
+            return []
+        with self.path.open(encoding="utf-8", newline="") as f:
+            return list(csv.DictReader(f))
+
+
+def _csv_value(value: Any) -> Any:
+    value = to_json_value(value)
+    return "" if value is None else value
+
+
+def default_logging_dir(output_dir: str | os.PathLike[str]) -> str:
+    """HF's ``logging_dir`` default: ``{output_dir}/runs/{Mon DD_HH-MM-SS}_{hostname}``."""
+    stamp = datetime.datetime.now().strftime("%b%d_%H-%M-%S")
+    return os.path.join(os.fspath(output_dir), "runs", f"{stamp}_{socket.gethostname()}")
+
+
+def rewrite_key(key: str) -> str:
+    """HF's TensorBoard tag for a log key: ``eval_loss`` -> ``eval/loss``, ``loss`` -> ``train/loss``."""
+    for prefix in ("eval_", "test_"):
+        if key.startswith(prefix):
+            return prefix[:-1] + "/" + key[len(prefix) :]
+    return "train/" + key
+
+
+class TensorBoardSink(Plugin):
+    """Writes numeric log values as TensorBoard scalars (tags as HF's ``TensorBoardCallback``).
+
+    The writer opens on the first record and is flushed after each one; it closes at TRAIN_END
+    (a later ``evaluate()`` opens a new event file in the same folder). Needs ``tensorboard``.
+
+    Args:
+        log_dir: the event file folder.
+
+    Raises:
+        ConfigError: tensorboard is not installed.
+
+    Example:
+        >>> from trainbus.plugins.sinks import TensorBoardSink
+        >>> sink = TensorBoardSink("out/runs")
+    """
+
+    priority = Priority.CONSUMER
+
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ConfigError(
+                f"TensorBoardSink (report_to='tensorboard') needs the tensorboard package: "
+                f"pip install tensorboard ({exc})"
+            ) from None
+        self._writer_class = SummaryWriter
+        self.log_dir = os.fspath(log_dir)
+        self.writer: Any = None
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, Event.LOG, self.log)
+        self.on(engine, Event.TRAIN_END, self.close, priority=Priority.LAST)  # after the final train metrics
+
+    def detach(self, engine: Engine) -> None:
+        self.close(None)
+        super().detach(engine)
+
+    def log(self, ev: LogEvent) -> None:
+        if not ev.logs or not ev.engine.state.is_world_process_zero:
+            return
+        if self.writer is None:
+            self.writer = self._writer_class(log_dir=self.log_dir)
+        step = ev.engine.state.global_step
+        for key, value in ev.logs.items():
+            number = _scalar(value)
+            if isinstance(number, Real) and not isinstance(number, bool):  # HF skips non-numbers too
+                self.writer.add_scalar(rewrite_key(str(key)), float(number), step)
+        self.writer.flush()
+
+    def close(self, ev: TrainEndEvent | None) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _output(args: Any, name: str) -> str:
+    return os.path.join(os.fspath(args.output_dir), name)
+
+
+def _tensorboard(args: Any) -> TensorBoardSink:
+    return TensorBoardSink(args.logging_dir or default_logging_dir(args.output_dir))
+
+
+_REGISTERED: Mapping[str, Any] = {
+    "jsonl": lambda args: JsonlSink(_output(args, "logs.jsonl")),
+    "csv": lambda args: CsvSink(_output(args, "logs.csv")),
+    "tensorboard": _tensorboard,
+}
+SINKS.update(_REGISTERED)
