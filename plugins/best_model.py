@@ -138,7 +138,37 @@ class MetricWatch:
         return max(owners, key=len) if owners else None
 
 
-class BestMetric(Plugin):
+class MetricPlugin(Plugin):
+    """Base of the plugins that act on one eval metric at EVAL_END (best tracking, early stopping).
+
+    Subclasses set ``self.watch`` and implement ``observe(value, ev)``, called when an
+    evaluation produced the watched metric.
+    """
+
+    watch: MetricWatch
+
+    @property
+    def key(self) -> str:
+        return self.watch.key
+
+    @property
+    def greater_is_better(self) -> bool:
+        return self.watch.greater_is_better
+
+    def attach(self, engine: Engine) -> None:
+        self.watch.attach(self, engine)
+        self.on(engine, Event.EVAL_END, self.eval_end)
+
+    def eval_end(self, ev: EvalEndEvent) -> None:
+        value = self.watch.value(ev)
+        if value is not None:
+            self.observe(value, ev)
+
+    def observe(self, value: float, ev: EvalEndEvent) -> None:
+        raise NotImplementedError
+
+
+class BestMetric(MetricPlugin):
     """Keeps ``state.best_metric`` and ``state.best_global_step`` (HF ``metric_for_best_model``).
 
     Runs at EVAL_END after the metric producers, before sinks and early stopping read the state.
@@ -164,22 +194,7 @@ class BestMetric(Plugin):
         self.save_on_best = save_on_best
         self.improved = False
 
-    @property
-    def key(self) -> str:
-        return self.watch.key
-
-    @property
-    def greater_is_better(self) -> bool:
-        return self.watch.greater_is_better
-
-    def attach(self, engine: Engine) -> None:
-        self.watch.attach(self, engine)
-        self.on(engine, Event.EVAL_END, self.eval_end)
-
-    def eval_end(self, ev: EvalEndEvent) -> None:
-        value = self.watch.value(ev)
-        if value is None:
-            return
+    def observe(self, value: float, ev: EvalEndEvent) -> None:
         state = ev.engine.state
         self.improved = is_improvement(value, state.best_metric, self.greater_is_better)
         if self.improved:

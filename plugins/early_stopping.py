@@ -13,9 +13,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from trainbus.engine import ConfigError, Engine, EvalEndEvent, Event, Plugin, Priority
+from trainbus.engine import ConfigError, EvalEndEvent, Priority
+from trainbus.engine.errors import check_positive_int
 
-from .best_model import MetricWatch, is_improvement
+from .best_model import MetricPlugin, MetricWatch, is_improvement
 
 __all__ = ["EarlyStopping", "early_stop_index"]
 
@@ -36,7 +37,7 @@ def early_stop_index(
     return None
 
 
-class EarlyStopping(Plugin):
+class EarlyStopping(MetricPlugin):
     """Stops training when an eval metric stops improving (HF ``EarlyStoppingCallback``).
 
     Args:
@@ -56,8 +57,7 @@ class EarlyStopping(Plugin):
     def __init__(
         self, metric: str = "loss", patience: int = 1, threshold: float = 0.0, greater_is_better: bool | None = None
     ) -> None:
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ConfigError(f"patience must be an integer >= 1, got {patience!r}")
+        check_positive_int("patience", patience)
         if not isinstance(threshold, int | float) or not threshold >= 0 or math.isinf(threshold):
             raise ConfigError(f"threshold must be a finite number >= 0, got {threshold!r}")
         self.watch = MetricWatch(metric, greater_is_better)
@@ -66,22 +66,7 @@ class EarlyStopping(Plugin):
         self.best: float | None = None
         self.waited = 0  # evaluations since the last improvement
 
-    @property
-    def key(self) -> str:
-        return self.watch.key
-
-    @property
-    def greater_is_better(self) -> bool:
-        return self.watch.greater_is_better
-
-    def attach(self, engine: Engine) -> None:
-        self.watch.attach(self, engine)
-        self.on(engine, Event.EVAL_END, self.eval_end)
-
-    def eval_end(self, ev: EvalEndEvent) -> None:
-        value = self.watch.value(ev)
-        if value is None:
-            return
+    def observe(self, value: float, ev: EvalEndEvent) -> None:
         if is_improvement(value, self.best, self.greater_is_better, self.threshold):
             self.best, self.waited = value, 0
             return
