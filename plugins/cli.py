@@ -13,6 +13,7 @@ stopping, and the JSONL / CSV log sinks; then it predicts on a held-out test spl
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -205,6 +206,21 @@ def _print_summary(out: TextIO, s: dict[str, Any], epochs: int, output_dir: str)
     out.flush()
 
 
+def _clear_old_checkpoints(output_dir: str, overwrite: bool) -> None:
+    """Old checkpoints would take part in this run's rotation and resume: remove them, or refuse."""
+    old = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir()]
+    if not old:
+        return
+    if not overwrite:
+        names = ", ".join(p.name for p in sorted(old, key=_step_of))
+        raise ConfigError(
+            f"{output_dir} holds checkpoints of a previous run ({names}); "
+            "pass --overwrite-output-dir to delete them, or choose another --output-dir"
+        )
+    for path in old:
+        shutil.rmtree(path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``trainbus`` argument parser (subcommands: demo)."""
     parser = argparse.ArgumentParser(prog="trainbus", description="trainbus: a plugin-composed training engine.")
@@ -217,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", default="trainbus_demo", help="where checkpoints and logs go")
     demo.add_argument("--epochs", type=int, default=None, help=f"epochs (default {DEMO_EPOCHS}, {QUICK_EPOCHS} quick)")
     demo.add_argument("--quick", action="store_true", help=f"a short run: {QUICK_EPOCHS} epochs")
+    demo.add_argument(
+        "--overwrite-output-dir",
+        action="store_true",
+        help="delete the checkpoint-* folders a previous run left in --output-dir (else the demo refuses to start)",
+    )
     demo.add_argument("--seed", type=int, default=42, help="seed of the split, the model and the data order")
     return parser
 
@@ -230,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if epochs < 1:
             parser.error(f"--epochs must be >= 1, got {epochs}")
         try:
+            _clear_old_checkpoints(ns.output_dir, ns.overwrite_output_dir)
             run_demo(ns.output_dir, epochs, ns.seed)
         except ConfigError as exc:
             print(f"trainbus demo: {exc}", file=sys.stderr)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbus.plugins.cli import QUICK_EPOCHS, build_parser, main
+from trainbus.plugins.cli import QUICK_EPOCHS, _clear_old_checkpoints, build_parser, main
 
 
 def test_quick_demo_trains_checkpoints_logs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,3 +69,15 @@ def test_module_help_runs_in_a_subprocess() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "usage: trainbus" in result.stdout and "demo" in result.stdout
+
+
+def test_old_checkpoints_stop_the_demo_unless_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "checkpoint-7").mkdir()
+    (tmp_path / "notes.txt").write_text("kept")
+    assert main(["demo", "--quick", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint-7" in err and "--overwrite-output-dir" in err
+    assert (tmp_path / "checkpoint-7").exists() and not (tmp_path / "logs.jsonl").exists()
+
+    _clear_old_checkpoints(str(tmp_path), overwrite=True)
+    assert not (tmp_path / "checkpoint-7").exists() and (tmp_path / "notes.txt").read_text() == "kept"
