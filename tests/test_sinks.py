@@ -226,3 +226,20 @@ def test_doctests() -> None:
 
     result = doctest.testmod(sinks)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_resume_from_checkpoint_appends_to_the_logs(tmp_path: Path) -> None:
+    def trainer() -> Trainer:
+        args = quiet_args(
+            tmp_path, report_to=["jsonl"], max_steps=4, logging_steps=1, save_strategy="steps", save_steps=2
+        )
+        return Trainer(Regressor(), args, train_dataset=regression_data(16))
+
+    trainer().train()
+    first = (tmp_path / "logs.jsonl").read_text().splitlines()
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    lines = (tmp_path / "logs.jsonl").read_text().splitlines()
+    assert lines[: len(first)] == first
+    added = [strict_json(line) for line in lines[len(first) :]]
+    assert [r["step"] for r in added if "loss" in r] == [3, 4]
