@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def _same(a: str | Path | None, b: Path) -> bool:
 
 
 def checkpoints_to_keep(steps: list[int], limit: int, best: int | None) -> set[int]:
-    """Which of the sorted ``steps`` rotation keeps (HF's rule).
+    """Which of ``steps`` (ordered oldest to newest) rotation keeps (HF's rule).
 
     The newest ``limit`` stay; when the best is older than those, it stays instead of the oldest
     of them, except that the newest always stays (so ``limit=1`` keeps best and newest: 2).
@@ -91,9 +92,14 @@ def checkpoints_to_keep(steps: list[int], limit: int, best: int | None) -> set[i
     return {best, *newest}
 
 
-def rotate_checkpoints(output_dir: str | Path, limit: int | None, best: str | Path | None = None) -> list[Path]:
+def rotate_checkpoints(
+    output_dir: str | Path, limit: int | None, best: str | Path | None = None, written: Sequence[str | Path] = ()
+) -> list[Path]:
     """Delete complete checkpoints beyond ``limit`` (never the best nor the newest); returns the deleted.
 
+    ``written`` lists the checkpoints this run wrote, oldest first: they count as more recent than
+    any other, so checkpoints an earlier run left with higher step numbers rotate out first and
+    the checkpoint just written is never the one deleted.
     Incomplete directories are not counted and not touched, except temporary directories left
     by processes that no longer run, which are removed.
     """
@@ -102,7 +108,9 @@ def rotate_checkpoints(output_dir: str | Path, limit: int | None, best: str | Pa
     if limit is None or not found:
         return []
     best_step = next((step for step, path in found if _same(best, path)), None)
-    keep = checkpoints_to_keep([step for step, _ in found], limit, best_step)
+    ours = [step for path in written for step, found_path in found if _same(path, found_path)]
+    by_recency = [step for step, _ in found if step not in ours] + ours
+    keep = checkpoints_to_keep(by_recency, limit, best_step)
     deleted = []
     for step, path in found:
         if step not in keep:
@@ -360,6 +368,7 @@ class Checkpointing(Plugin):
         self.save_steps = save_steps
         self.last_metric: float | None = None
         self.last_saved: Path | None = None
+        self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.SAVE, self.save)
@@ -403,7 +412,8 @@ class Checkpointing(Plugin):
         if self.best_metric_key is not None:
             info["metric"] = {"key": self.best_metric_key, "value": self.last_metric}
         self.last_saved = save_checkpoint(engine, self.output_dir, info=info)
-        rotate_checkpoints(self.output_dir, self.save_total_limit, engine.state.best_model_checkpoint)
+        self._written = [path for path in self._written if path != self.last_saved] + [self.last_saved]
+        rotate_checkpoints(self.output_dir, self.save_total_limit, engine.state.best_model_checkpoint, self._written)
 
 
 class LoadBestModelAtEnd(Plugin):

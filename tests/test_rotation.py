@@ -112,3 +112,22 @@ def test_rotation_on_disk(
     fresh.add_plugin(Checkpointing(out))
     assert resume(fresh, True) == out / f"checkpoint-{step}"
     assert fresh.state.global_step == step
+
+
+def test_a_new_run_never_deletes_its_newest_checkpoint_for_older_runs_higher_steps(tmp_path: Any) -> None:
+    # an earlier, longer run left checkpoint-238 and checkpoint-289 in the same directory
+    old = _engine()
+    old_plugin = Checkpointing(tmp_path, save_total_limit=2)
+    old.add_plugin(old_plugin)
+    for step in (238, 289):
+        old.state.global_step = step
+        old_plugin.save(SaveEvent(old))
+    engine = _engine()
+    plugin = Checkpointing(tmp_path, save_total_limit=2)
+    engine.add_plugin(plugin)
+    for step in (85, 102):
+        engine.state.global_step = step
+        plugin.save(SaveEvent(engine))
+        assert (tmp_path / f"checkpoint-{step}").exists(), "the checkpoint just written must survive rotation"
+    # the old run's checkpoints rotated out first, oldest step first
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [85, 102]
