@@ -6,6 +6,7 @@ metric name before training from a dry evaluation's key list.
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -135,10 +136,16 @@ def build_plugins(
     return plugins
 
 
+#: the library a sink needs, for report_to="all"
+SINK_REQUIRES = {"tensorboard": "tensorboard"}
+
+
 def _sinks(args: TrainingArguments) -> list[Plugin]:
     names = list(args.report_to or [])
-    if names == ["all"]:
-        names = [n for n in SINKS if n != "console"]
+    if names == ["all"]:  # as in HF: every sink whose library is installed
+        names = [
+            n for n in SINKS if n != "console" and importlib.util.find_spec(SINK_REQUIRES.get(n, "json")) is not None
+        ]
     unknown = [n for n in names if n not in SINKS]
     if unknown:
         raise ConfigError(f"report_to has unknown sinks {unknown}; available: {sorted(SINKS)} (or 'none', 'all')")

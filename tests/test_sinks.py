@@ -243,3 +243,17 @@ def test_resume_from_checkpoint_appends_to_the_logs(tmp_path: Path) -> None:
     assert lines[: len(first)] == first
     added = [strict_json(line) for line in lines[len(first) :]]
     assert [r["step"] for r in added if "loss" in r] == [3, 4]
+
+
+def test_report_to_all_takes_only_sinks_whose_library_is_installed(monkeypatch: Any, tmp_path: Any) -> None:
+    import importlib.util
+
+    from trainbus.plugins.composition import _sinks
+    from trainbus.plugins.sinks import CsvSink, JsonlSink, TensorBoardSink
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real_find_spec(name, *a)
+    )
+    kinds = {type(p) for p in _sinks(quiet_args(tmp_path, report_to="all"))}
+    assert {JsonlSink, CsvSink} <= kinds and TensorBoardSink not in kinds
