@@ -52,6 +52,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "flow": ("FlowControl",),
     "logging": ("TrainLogger", "ConsoleSink"),
     "progress": ("ProgressBars", "Printer"),
+    "sinks": ("JsonlSink", "CsvSink", "TensorBoardSink"),
     # checkpoints
     "checkpoint": (
         "Checkpointing",
