@@ -134,6 +134,7 @@ class CallbackAdapter(Plugin):
         self.callbacks: list[Any] = []
         self.eval_dataloader: Any = None
         self._engine: Engine | None = None
+        self._step_handles: dict[str, Any] = {}
         for cb in callbacks:
             self.add_callback(cb)
 
@@ -147,6 +148,7 @@ class CallbackAdapter(Plugin):
         if any(type(c) is type(cb) for c in self.callbacks):
             logger.warning("adding a second %s to the callbacks", type(cb).__name__)
         self.callbacks.append(cb)
+        self._sync_step_handlers()
         return cb
 
     def pop_callback(self, callback: Any) -> Any:
@@ -154,6 +156,7 @@ class CallbackAdapter(Plugin):
         for cb in self.callbacks:
             if (isinstance(callback, type) and isinstance(cb, callback)) or cb is callback:
                 self.callbacks.remove(cb)
+                self._sync_step_handlers()
                 return cb
         return None
 
@@ -196,9 +199,6 @@ class CallbackAdapter(Plugin):
         simple = (
             (Event.TRAIN_START, "on_train_begin", Priority.DEFAULT),
             (Event.EPOCH_START, "on_epoch_begin", Priority.DEFAULT),
-            (Event.STEP_START, "on_step_begin", Priority.DEFAULT),
-            (Event.BEFORE_OPTIMIZER_STEP, "on_pre_optimizer_step", Priority.CONSUMER),
-            (Event.OPTIMIZER_STEP, "on_optimizer_step", Priority.PRODUCER),  # before the scheduler steps, as in HF
             (Event.EPOCH_END, "on_epoch_end", Priority.DEFAULT),
             (Event.TRAIN_END, "on_train_end", Priority.DEFAULT),
             (Event.EVAL_BATCH_END, "on_prediction_step", Priority.CONSUMER),
@@ -207,13 +207,58 @@ class CallbackAdapter(Plugin):
         )
         for event, name, priority in simple:
             self.on(engine, event, self._caller(name), priority=priority)
-        self.on(engine, Event.BACKWARD_END, self.substep_end)
-        self.on(engine, Event.STEP_END, self.step_end)
         self.on(engine, Event.LOG, self.log, priority=Priority.CONSUMER)
         self.on(engine, Event.EVAL_START, self.eval_start)
         # after the eval metrics are logged (DEFAULT) and before a best-metric keeper updates the state
         self.on(engine, Event.EVAL_END, self.evaluate, priority=Priority.DEFAULT - 10)
         self.on(engine, Event.PREDICT_END, self.predict, priority=Priority.CONSUMER)
+        self._sync_step_handlers()
+
+    def detach(self, engine: Engine) -> None:
+        super().detach(engine)
+        self._step_handles.clear()
+        self._engine = None
+
+    def _step_handlers(self) -> tuple[tuple[str, Any, Any, int, tuple[str, ...]], ...]:
+        """The handlers inside a step: (key, event, handler, priority, the on_* methods they call)."""
+        return (
+            ("step_begin", Event.STEP_START, self._caller("on_step_begin"), Priority.DEFAULT, ("on_step_begin",)),
+            ("substep_end", Event.BACKWARD_END, self.substep_end, Priority.DEFAULT, ("on_substep_end",)),
+            (
+                "pre_optimizer_step",
+                Event.BEFORE_OPTIMIZER_STEP,
+                self._caller("on_pre_optimizer_step"),
+                Priority.CONSUMER,
+                ("on_pre_optimizer_step",),
+            ),
+            # before the scheduler steps, as in HF
+            (
+                "optimizer_step",
+                Event.OPTIMIZER_STEP,
+                self._caller("on_optimizer_step"),
+                Priority.PRODUCER,
+                ("on_optimizer_step",),
+            ),
+            ("step_end", Event.STEP_END, self.step_end, Priority.DEFAULT, ("on_optimizer_step", "on_step_end")),
+        )
+
+    def _sync_step_handlers(self) -> None:
+        """Register the per-step handlers only while some callback overrides what they call.
+
+        The base TrainerCallback's methods do nothing, so a run whose callbacks only act on, say,
+        on_evaluate builds no payload and makes no call inside its steps.
+        """
+        engine = self._engine
+        if engine is None:
+            return
+        for key, event, handler, priority, methods in self._step_handlers():
+            wanted = any(_overrides(cb, name) for cb in self.callbacks for name in methods)
+            handle = self._step_handles.get(key)
+            if wanted and handle is None:
+                self._step_handles[key] = self.on(engine, event, handler, priority=priority)
+            elif not wanted and handle is not None:
+                handle.remove()
+                del self._step_handles[key]
 
     def _caller(self, name: str) -> Any:
         def call(ev: Any) -> None:
@@ -264,6 +309,14 @@ class CallbackAdapter(Plugin):
                 if index < len(saved[name]):
                     for key, value in saved[name][index].get("attributes", {}).items():
                         setattr(cb, key, value)
+
+
+def _overrides(callback: Any, name: str) -> bool:
+    """Whether ``callback`` has an ``on_*`` method of its own (not a TrainerCallback base's no-op)."""
+    for klass in type(callback).__mro__:
+        if name in vars(klass):
+            return klass.__name__ != "TrainerCallback"
+    return callable(getattr(callback, name, None))  # set on the instance
 
 
 def _lr_scheduler(engine: Engine) -> Any:

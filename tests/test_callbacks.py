@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from facade_helpers import HF_EVENTS, RecordingCallback, Regressor, quiet_args, 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trainbus.engine import Event
 from trainbus.plugins.callbacks import CallbackAdapter, EarlyStoppingCallback, TrainerCallback
 from trainbus.plugins.trainer import Trainer
 
@@ -295,3 +297,34 @@ def test_on_substep_end_and_skipped_optimizer_step(tmp_path: Any) -> None:
     trainer.train()
     assert "on_optimizer_step" in rec.names
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_step_handlers_exist_only_while_a_callback_overrides_them(tmp_path: Path) -> None:
+    trainer = Trainer(Regressor(), quiet_args(tmp_path, max_steps=2), train_dataset=regression_data(8))
+    step_events = (
+        Event.STEP_START,
+        Event.BACKWARD_END,
+        Event.BEFORE_OPTIMIZER_STEP,
+        Event.OPTIMIZER_STEP,
+        Event.STEP_END,
+    )
+
+    def adapter_handlers() -> list[str]:
+        return [n for e in step_events for n in trainer.bus.handler_names(e) if n.startswith("CallbackAdapter")]
+
+    assert adapter_handlers() == []  # no callback: nothing runs inside a step
+
+    class OnStepEnd(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            self.steps.append(state.global_step)
+
+    callback = OnStepEnd()
+    trainer.add_callback(callback)
+    assert adapter_handlers() == ["CallbackAdapter.step_end"]
+    trainer.train()
+    assert callback.steps == [1, 2]
+    trainer.remove_callback(OnStepEnd)
+    assert adapter_handlers() == []
