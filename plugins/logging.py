@@ -21,12 +21,10 @@ from trainbus.hooks import batch_size_of
 
 if TYPE_CHECKING:
     from trainbus.engine import (
-        BeforeOptimizerStepEvent,
         Engine,
         EvalEndEvent,
         LogEvent,
         LossEvent,
-        StepEndEvent,
         TrainEndEvent,
         TrainStartEvent,
     )
@@ -69,7 +67,6 @@ class TrainLogger(Plugin):
         self.log_eval_metrics = log_eval_metrics
         self.train_metrics: dict[str, float] = {}
         self._window: list[tuple[torch.Tensor, int]] | None = None  # (loss, global_step at the time)
-        self._grad_norm: Any = None
         self._lr: Any = None
         self._pending_tokens: Any = 0  # int, or a device tensor for non_padding counts
         self._last_logged = 0
@@ -81,8 +78,6 @@ class TrainLogger(Plugin):
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_START, self.train_start, priority=Priority.FIRST)
         self.on(engine, Event.LOSS, self.loss, priority=Priority.CONSUMER)  # after loss normalisation
-        self.on(engine, Event.BEFORE_OPTIMIZER_STEP, self.before_optimizer_step, priority=Priority.LAST)
-        self.on(engine, Event.STEP_END, self.step_end, priority=Priority.FIRST)
         self.on(engine, Event.LOG, self.fill)
         self.on(engine, Event.LOG, self.record, priority=HISTORY_PRIORITY)
         self.on(engine, Event.TRAIN_END, self.train_end)
@@ -96,13 +91,17 @@ class TrainLogger(Plugin):
         self._last_logged = self._start_step = engine.state.global_step
         self._total_loss = 0.0
         self._samples = 0
-        self._grad_norm = self._lr = None
+        self._lr = None
         self._start_time = time.perf_counter()
         self.train_metrics = {}
 
     def loss(self, ev: LossEvent) -> None:
         assert self._window is not None
         self._window.append((ev.loss.detach(), ev.engine.state.global_step))
+        if ev.micro_index == 0:
+            # the rate this step uses, read before a scheduler moves it at OPTIMIZER_STEP (HF logs the same)
+            optimizer = ev.engine.optimizer
+            self._lr = optimizer.param_groups[0]["lr"] if optimizer is not None and optimizer.param_groups else None
         batch = ev.batch
         self._samples += batch_size_of(batch)
         if self.tokens == "no":
@@ -118,22 +117,16 @@ class TrainLogger(Plugin):
         else:
             self._pending_tokens += int(batch[self.input_name].numel())  # a shape: no sync
 
-    def before_optimizer_step(self, ev: BeforeOptimizerStepEvent) -> None:
-        optimizer = ev.engine.optimizer
-        # the rate this step uses, read before a scheduler moves it (HF logs the same)
-        self._lr = optimizer.param_groups[0]["lr"] if optimizer is not None and optimizer.param_groups else None
-
-    def step_end(self, ev: StepEndEvent) -> None:
-        self._grad_norm = ev.engine.step_outputs.get("grad_norm")
-
     # -- logging points: one host read ------------------------------------------------------------
     def _read(self, engine: Engine) -> dict[str, Any]:
         """Read the window's losses, grad norm, lr and tokens with a single device-to-host transfer."""
         assert self._window is not None
         window, self._window = self._window, []
+        # the grad norm of the latest step: step_outputs keeps it until the next STEP_START
+        grad_norm = engine.step_outputs.get("grad_norm")
         extras: list[tuple[str, torch.Tensor]] = []
         for name, value in (
-            ("grad_norm", self._grad_norm),
+            ("grad_norm", grad_norm),
             ("learning_rate", self._lr),
             ("tokens", self._pending_tokens),
         ):
@@ -147,7 +140,7 @@ class TrainLogger(Plugin):
         read: dict[str, Any] = {"loss": self._filtered_sum(values[: len(window)], [step for _, step in window])}
         read.update(zip([name for name, _ in extras], values[len(window) :], strict=True))
         for name, value in (
-            ("grad_norm", self._grad_norm),
+            ("grad_norm", grad_norm),
             ("learning_rate", self._lr),
             ("tokens", self._pending_tokens),
         ):
