@@ -41,6 +41,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "accumulation": ("GradientAccumulation", "count_items"),
     "clipping": ("GradientClipping",),
     "precision": ("MixedPrecision",),
+    "half_eval": ("HalfPrecisionEval",),
     "regularization": ("LabelSmoothing", "NEFTune"),
     "model_setup": ("GradientCheckpointing", "TorchCompile"),
     # evaluation

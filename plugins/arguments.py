@@ -105,8 +105,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "split_batches": (None, ""),
     "fp16_opt_level": ("O1", ""),
     "fp16_backend": ("auto", ""),
-    "bf16_full_eval": (False, "not supported yet"),
-    "fp16_full_eval": (False, "not supported yet"),
     "save_safetensors": (True, "checkpoints are always safetensors (no pickle)"),
 }
 
@@ -166,6 +164,8 @@ class TrainingArguments:
     label_smoothing_factor: float = 0.0
     bf16: bool = False
     fp16: bool = False
+    bf16_full_eval: bool = False
+    fp16_full_eval: bool = False
     gradient_checkpointing: bool | None = None
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
     torch_compile: bool = False
@@ -239,6 +239,8 @@ class TrainingArguments:
         self._check_best_model()
         if self.fp16 and self.bf16:
             raise ConfigError("at most one of fp16 and bf16 can be True, got both")
+        if self.fp16_full_eval and self.bf16_full_eval:
+            raise ConfigError("at most one of fp16_full_eval and bf16_full_eval can be True, got both")
         for name, default in NOT_YET.items():
             if getattr(self, name) != default:
                 raise ConfigError(

@@ -23,6 +23,7 @@ from .clipping import GradientClipping
 from .data import ResumableData
 from .evaluation import EvalCollector, EvalPrediction
 from .flow import FlowControl
+from .half_eval import HalfPrecisionEval
 from .logging import SINKS, TrainLogger
 from .model_setup import GradientCheckpointing, TorchCompile
 from .precision import MixedPrecision
@@ -85,6 +86,8 @@ def build_plugins(
         plugins.append(GradientCheckpointing(args.gradient_checkpointing_kwargs))
     if args.fp16 or args.bf16:
         plugins.append(MixedPrecision("fp16" if args.fp16 else "bf16"))
+    if args.fp16_full_eval or args.bf16_full_eval:
+        plugins.append(HalfPrecisionEval("fp16" if args.fp16_full_eval else "bf16"))
     if args.gradient_accumulation_steps > 1:
         if own_step:
             # a custom training_step normalises its loss itself (HF's divides by the steps)
