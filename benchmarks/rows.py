@@ -23,7 +23,8 @@ def _raw_stack(batches: list[Any]) -> Run:
     """A hand-written loop with accumulation (k=4), clipping at 1.0 and a linear schedule.
 
     Doing the same work as the plugins: each micro-batch's loss is weighted by its share of the
-    window's items (labels that are not -100), the normalisation that makes accumulation exact.
+    window's items (labels that are not -100), the normalisation that makes accumulation exact,
+    computed on the device without reading the counts back (no host sync).
     """
     model = make_model()
     optimizer = make_optimizer(model)
@@ -36,10 +37,11 @@ def _raw_stack(batches: list[Any]) -> Run:
         model.train()
         for start in range(0, len(batches), ACCUMULATION):
             window = batches[start : start + ACCUMULATION]
-            counts = [int(y.ne(-100).sum()) for _, y in window]
-            total = sum(counts)
-            for (x, y), n in zip(window, counts):
-                (loss_fn(model(x), y) * (n / total)).backward()
+            counts = torch.stack([y.ne(-100).sum() for _, y in window]).double()
+            weights = counts / counts.sum().clamp_min(1.0)
+            for (x, y), weight, has_items in zip(window, weights.unbind(), (counts > 0).unbind()):
+                loss = loss_fn(model(x), y)
+                torch.where(has_items, loss * weight.float(), 0.0).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
             optimizer.step()
             scheduler.step()

@@ -38,8 +38,8 @@ def count_items(batch: Any, label_names: Sequence[str] = ("labels",)) -> Count:
 
     Integer labels: the labels that are not -100 (tokens for language models, samples for
     classification). Float labels: their elements (a mean-squared error averages over them).
-    No labels: the samples (``batch_size_of``). A CPU count is returned as an int (reading it does
-    not wait for a device); a count on an accelerator stays a tensor so no step waits for it.
+    No labels: the samples (``batch_size_of``). Counts that depend on label values stay tensors, on
+    every device, so no step reads a value back (no host sync); counts known from shapes are ints.
     """
     labels = get_labels(batch, tuple(label_names))
     if isinstance(labels, tuple):
@@ -48,8 +48,7 @@ def count_items(batch: Any, label_names: Sequence[str] = ("labels",)) -> Count:
         return int(batch_size_of(batch))
     if labels.is_floating_point() or labels.is_complex():
         return labels.numel()
-    count = labels.ne(IGNORE_INDEX).sum()
-    return int(count) if count.device.type == "cpu" else count
+    return labels.ne(IGNORE_INDEX).sum()
 
 
 class GradientAccumulation(Plugin):
@@ -126,14 +125,16 @@ class GradientAccumulation(Plugin):
     def scale_loss(self, event: LossEvent) -> None:
         factor = self._factors[event.micro_index]
         loss = event.loss
-        if isinstance(factor, torch.Tensor):
-            factor = factor.to(loss.device)
+        if isinstance(factor, tuple):
+            weight, has_items = factor
+            if weight.device != loss.device or weight.dtype != loss.dtype:
+                weight = weight.to(loss.device, loss.dtype)
+                has_items = has_items.to(loss.device)
             # a micro-batch with no items contributes nothing (its own mean loss is 0/0)
-            event.loss = torch.where(factor > 0, loss * factor.to(loss.dtype), torch.zeros_like(loss))
+            event.loss = torch.where(has_items, loss * weight, 0.0)
         elif factor == 0:
-            event.loss = torch.where(
-                torch.zeros((), dtype=torch.bool, device=loss.device), loss, torch.zeros_like(loss)
-            )
+            # no item in the whole window: keep the graph, contribute a zero (not 0 * NaN) gradient
+            event.loss = torch.where(torch.zeros((), dtype=torch.bool, device=loss.device), loss, 0.0)
         else:
             event.loss = loss * factor
         self.micro_batches_seen += 1
@@ -159,9 +160,11 @@ class GradientAccumulation(Plugin):
 
 
 def window_factors(counts: Sequence[Count]) -> list[Any]:
-    """``n_i / N`` for each micro-batch of a window: Python floats for host counts, tensors otherwise.
+    """``n_i / N`` for each micro-batch of a window.
 
-    A window of host counts that are all zero gets factors of 0 (no item, no gradient).
+    All counts known as ints (from shapes): Python floats, 0 for every micro-batch of a window
+    without items. Otherwise, without reading any value back: a ``(weight, has_items)`` tensor
+    pair per micro-batch, computed in float64 on the counts' device.
     """
     if all(isinstance(c, int) for c in counts):
         total = sum(int(c) for c in counts)
@@ -170,5 +173,5 @@ def window_factors(counts: Sequence[Count]) -> list[Any]:
     device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
     dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
     stacked = torch.stack([t.to(device=device, dtype=dtype) for t in tensors])
-    window_total = stacked.sum().clamp_min(1.0)  # all-zero window: factors 0 instead of 0/0
-    return list((stacked / window_total).unbind())
+    weights = stacked / stacked.sum().clamp_min(1.0)  # all-zero window: weights 0 instead of 0/0
+    return list(zip(weights.unbind(), (stacked > 0).unbind(), strict=True))

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine, Event, Priority
+from trainbus.engine.testing import count_syncs
 from trainbus.plugins.accumulation import GradientAccumulation, count_items, window_factors
 
 V, D = 4, 3  # vocabulary (classes) and feature width of the token model
@@ -176,8 +177,13 @@ def test_count_items_rules() -> None:
     assert count_items({"x": torch.zeros(7, 2)}) == 7  # no labels: samples
     assert window_factors([1, 3]) == [0.25, 0.75]
     assert window_factors([0, 0]) == [0.0, 0.0]
-    factors = window_factors([torch.tensor(1), 3])
-    torch.testing.assert_close(torch.stack(factors), torch.tensor([0.25, 0.75], dtype=torch.float64))
+    factors = window_factors([torch.tensor(1), 3, torch.tensor(0)])
+    weights, has_items = zip(*factors, strict=True)
+    torch.testing.assert_close(torch.stack(weights), torch.tensor([0.25, 0.75, 0.0], dtype=torch.float64))
+    assert [bool(h) for h in has_items] == [True, True, False]
+    with count_syncs() as counter:  # label counts stay tensors: the window reads nothing back
+        window_factors([count_items((torch.zeros(2, 2), torch.tensor([1, -100]))) for _ in range(3)])
+    assert counter.count == 0
 
 
 def test_bad_accumulation_fails_at_construction() -> None:
