@@ -38,10 +38,9 @@ def _raw_stack(batches: list[Any]) -> Run:
         for start in range(0, len(batches), ACCUMULATION):
             window = batches[start : start + ACCUMULATION]
             counts = torch.stack([y.ne(-100).sum() for _, y in window]).double()
-            weights = counts / counts.sum().clamp_min(1.0)
+            weights = (counts / counts.sum().clamp_min(1.0)).float()
             for (x, y), weight, has_items in zip(window, weights.unbind(), (counts > 0).unbind()):
-                loss = loss_fn(model(x), y)
-                torch.where(has_items, loss * weight.float(), 0.0).backward()
+                torch.where(has_items, loss_fn(model(x), y) * weight, 0.0).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
             optimizer.step()
             scheduler.step()

@@ -84,7 +84,8 @@ class GradientAccumulation(Plugin):
         self.count_fn = count_items
         self.micro_batches_seen = 0  # micro-batches whose loss this plugin normalised
         self.micro_index = 0  # position in the current window (0 between optimizer steps)
-        self._factors: list[Any] = []
+        self._factors: list[float] | tuple[torch.Tensor, torch.Tensor] = []
+        self._per_micro: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
         self._sync_off = contextlib.ExitStack()
 
     def attach(self, engine: Engine) -> None:
@@ -121,22 +122,23 @@ class GradientAccumulation(Plugin):
         self.micro_index = 0
         counts = [self._count(b, event.engine.label_names) for b in event.batches]
         self._factors = window_factors(counts)
+        self._per_micro = None  # tensor weights are cast to the loss's dtype once per window
 
     def scale_loss(self, event: LossEvent) -> None:
-        factor = self._factors[event.micro_index]
         loss = event.loss
-        if isinstance(factor, tuple):
-            weight, has_items = factor
-            if weight.device != loss.device or weight.dtype != loss.dtype:
-                weight = weight.to(loss.device, loss.dtype)
-                has_items = has_items.to(loss.device)
+        factors = self._factors
+        if isinstance(factors, tuple):
+            if self._per_micro is None or self._per_micro[0][0].dtype != loss.dtype:
+                weights, has_items = factors
+                self._per_micro = (weights.to(loss.device, loss.dtype).unbind(), has_items.to(loss.device).unbind())
+            weight, has_items_i = self._per_micro[0][event.micro_index], self._per_micro[1][event.micro_index]
             # a micro-batch with no items contributes nothing (its own mean loss is 0/0)
-            event.loss = torch.where(has_items, loss * weight, 0.0)
-        elif factor == 0:
+            event.loss = torch.where(has_items_i, loss * weight, 0.0)
+        elif factors[event.micro_index] == 0:
             # no item in the whole window: keep the graph, contribute a zero (not 0 * NaN) gradient
             event.loss = torch.where(torch.zeros((), dtype=torch.bool, device=loss.device), loss, 0.0)
         else:
-            event.loss = loss * factor
+            event.loss = loss * factors[event.micro_index]
         self.micro_batches_seen += 1
         self.micro_index = event.micro_index + 1 if event.micro_index + 1 < event.window_size else 0
 
@@ -159,12 +161,12 @@ class GradientAccumulation(Plugin):
         self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
 
 
-def window_factors(counts: Sequence[Count]) -> list[Any]:
+def window_factors(counts: Sequence[Count]) -> list[float] | tuple[torch.Tensor, torch.Tensor]:
     """``n_i / N`` for each micro-batch of a window.
 
-    All counts known as ints (from shapes): Python floats, 0 for every micro-batch of a window
-    without items. Otherwise, without reading any value back: a ``(weight, has_items)`` tensor
-    pair per micro-batch, computed in float64 on the counts' device.
+    All counts known as ints (from shapes): a list of Python floats, 0 for every micro-batch of a
+    window without items. Otherwise, without reading any value back: ``(weights, has_items)``, a
+    float64 tensor of the k weights and a bool tensor of which micro-batches have items.
     """
     if all(isinstance(c, int) for c in counts):
         total = sum(int(c) for c in counts)
@@ -172,6 +174,6 @@ def window_factors(counts: Sequence[Count]) -> list[Any]:
     tensors = [torch.as_tensor(c) for c in counts]
     device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
     dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
-    stacked = torch.stack([t.to(device=device, dtype=dtype) for t in tensors])
+    stacked = torch.stack([t if t.device == device else t.to(device) for t in tensors]).to(dtype)
     weights = stacked / stacked.sum().clamp_min(1.0)  # all-zero window: weights 0 instead of 0/0
-    return list(zip(weights.unbind(), (stacked > 0).unbind(), strict=True))
+    return weights, stacked > 0

@@ -178,9 +178,10 @@ def test_count_items_rules() -> None:
     assert window_factors([1, 3]) == [0.25, 0.75]
     assert window_factors([0, 0]) == [0.0, 0.0]
     factors = window_factors([torch.tensor(1), 3, torch.tensor(0)])
-    weights, has_items = zip(*factors, strict=True)
-    torch.testing.assert_close(torch.stack(weights), torch.tensor([0.25, 0.75, 0.0], dtype=torch.float64))
-    assert [bool(h) for h in has_items] == [True, True, False]
+    assert isinstance(factors, tuple)
+    weights, has_items = factors
+    torch.testing.assert_close(weights, torch.tensor([0.25, 0.75, 0.0], dtype=torch.float64))
+    assert has_items.tolist() == [True, True, False]
     with count_syncs() as counter:  # label counts stay tensors: the window reads nothing back
         window_factors([count_items((torch.zeros(2, 2), torch.tensor([1, -100]))) for _ in range(3)])
     assert counter.count == 0
