@@ -318,7 +318,7 @@ class EvalCollector(Plugin):
         assert run is not None, "EVAL_BATCH_END without EVAL_START"
         size = batch_size_of(batch)  # the batch as the loader gave it (before any trimming)
         if size == 0:
-            size = _leading_size(labels if labels is not None else logits)
+            size = batch_size_of(labels if labels is not None else logits)
         real = size if run.layout is None else run.layout.real_count(run.samples, size)
         distributed = world_size() > 1
         parts: dict[str, Any] = {}
@@ -395,20 +395,6 @@ class EvalCollector(Plugin):
         metrics[f"{prefix}_steps_per_second"] = round(run.batches / runtime, 3) if runtime > 0 else math.inf
         self.last = EvalLoopOutput(predictions, label_ids, metrics, num_samples)
         return self.last
-
-
-def _leading_size(data: Nested) -> int:
-    """Rows of the first tensor in a nested output (0 when there is none)."""
-    if isinstance(data, torch.Tensor):
-        return int(data.shape[0]) if data.dim() else 1
-    if isinstance(data, Mapping):
-        data = list(data.values())
-    if isinstance(data, list | tuple):
-        for item in data:
-            n = _leading_size(item)
-            if n:
-                return n
-    return 0
 
 
 def _inputs_of(batch: Any, input_name: str) -> Any:
