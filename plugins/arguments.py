@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainbus.engine import ConfigError
-from trainbus.engine.errors import suggest
+from trainbus.engine.errors import check_positive_int, suggest
 
 
 class IntervalStrategy(str, enum.Enum):
@@ -250,15 +250,15 @@ class TrainingArguments:
     # -- checks ---------------------------------------------------------------------------------
     def _check_numbers(self) -> None:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.max_steps != -1:
-            _positive_int("max_steps (or -1 to use num_train_epochs)", self.max_steps)
+            check_positive_int("max_steps (or -1 to use num_train_epochs)", self.max_steps)
         if self.max_steps == -1 and not self.num_train_epochs > 0:
             raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs!r}")
         if self.save_total_limit is not None:
-            _positive_int("save_total_limit (or None to keep every checkpoint)", self.save_total_limit)
+            check_positive_int("save_total_limit (or None to keep every checkpoint)", self.save_total_limit)
         if self.eval_accumulation_steps is not None:
-            _positive_int("eval_accumulation_steps", self.eval_accumulation_steps)
+            check_positive_int("eval_accumulation_steps", self.eval_accumulation_steps)
         if not 0.0 <= self.warmup_ratio <= 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio!r}")
         if self.warmup_steps < 0:
@@ -412,11 +412,6 @@ def check_strategy(name: str, value: Any, kind: type[enum.Enum]) -> Any:
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _report_to(value: Any) -> list[str]:

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from trainbus.engine import Event, Plugin, Priority
+from trainbus.engine.errors import check_positive_int
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
@@ -344,12 +345,7 @@ class EarlyStoppingCallback(TrainerCallback):
     """
 
     def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0) -> None:
-        from trainbus.engine import ConfigError
-
-        if isinstance(early_stopping_patience, bool) or not isinstance(early_stopping_patience, int):
-            raise ConfigError(f"early_stopping_patience must be an integer >= 1, got {early_stopping_patience!r}")
-        if early_stopping_patience < 1:
-            raise ConfigError(f"early_stopping_patience must be an integer >= 1, got {early_stopping_patience!r}")
+        check_positive_int("early_stopping_patience", early_stopping_patience)
         self.early_stopping_patience = early_stopping_patience
         self.early_stopping_threshold = early_stopping_threshold or 0.0
         self.early_stopping_patience_counter = 0

@@ -35,6 +35,7 @@ from trainbus.engine import (
     Priority,
     data_length,
 )
+from trainbus.engine.errors import check_positive_int
 from trainbus.hooks import batch_size_of
 
 from .eval_tensors import (
@@ -235,14 +236,7 @@ class EvalCollector(Plugin):
         ):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"{name} must be a function or None, got {type(fn).__name__}")
-        if eval_accumulation_steps is not None and (
-            isinstance(eval_accumulation_steps, bool)
-            or not isinstance(eval_accumulation_steps, int)
-            or eval_accumulation_steps < 1
-        ):
-            raise ConfigError(
-                f"eval_accumulation_steps must be None or an integer >= 1, got {eval_accumulation_steps!r}"
-            )
+        check_positive_int("eval_accumulation_steps", eval_accumulation_steps, allow_none=True)
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.eval_accumulation_steps = eval_accumulation_steps

@@ -18,7 +18,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
-from trainbus.engine.errors import suggest
+from trainbus.engine.errors import check_positive_int, suggest
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
@@ -258,8 +258,7 @@ def create_scheduler(
     check_scheduler_kwargs(name, kwargs)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(num_training_steps, bool) or not isinstance(num_training_steps, int) or num_training_steps < 1:
-        raise ConfigError(f"num_training_steps must be an integer >= 1, got {num_training_steps!r}")
+    check_positive_int("num_training_steps", num_training_steps)
     warmup = resolve_warmup_steps(num_training_steps, num_warmup_steps, warmup_ratio)
     if name == "reduce_lr_on_plateau":
         return ReduceLROnPlateau(optimizer, **kwargs)
