@@ -107,7 +107,7 @@ class EpochEndEvent(Payload):
 
 @dataclass(eq=False, slots=True)
 class StepStartEvent(Payload):
-    batches: list[Any]  # the window's micro-batches, as the data loader gave them
+    batches: tuple[Any, ...]  # the window's micro-batches, as the data loader gave them
 
 
 @dataclass(eq=False, slots=True)

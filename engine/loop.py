@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -48,7 +48,6 @@ from .filters import FilteredEvent
 from .plugin import Plugin
 from .state import Control, State
 
-_END = object()  # end-of-epoch sentinel for next()
 # handler-table slots of the hot events, looked up once instead of per step
 _STEP_START = Event.STEP_START.index
 _BATCH_START = Event.BATCH_START.index
@@ -57,6 +56,12 @@ _BACKWARD_END = Event.BACKWARD_END.index
 _BEFORE_OPTIMIZER_STEP = Event.BEFORE_OPTIMIZER_STEP.index
 _OPTIMIZER_STEP = Event.OPTIMIZER_STEP.index
 _STEP_END = Event.STEP_END.index
+
+
+def _windows(batches: Iterator[Any], k: int) -> Iterator[tuple[Any, ...]]:
+    """Consecutive windows of ``k`` batches; the last one may be shorter."""
+    while window := tuple(itertools.islice(batches, k)):
+        yield window
 
 
 def data_length(data: Any) -> int | None:
@@ -279,27 +284,82 @@ class Engine(Assembly):
         return state
 
     def _run_epoch(self, max_steps: int, steps_per_epoch: int | None) -> None:
-        state, control = self.state, self.control
+        """One epoch: windows of micro-batches until the data ends, a stop request or max_steps.
+
+        The window body below is the hot path, written out in this one frame on purpose: every
+        Python operation here runs once per step, and a step of a small model is ~200 us. An
+        event's payload is only built when the event has handlers (``listening`` holds the bus's
+        live handler tuples, so a handler registered mid-run is seen at once). The occurrence
+        number filters see comes from counters the loop keeps anyway (``global_step + 1`` for
+        the window's step events, ``micro_steps`` for micro-batch events,
+        ``optimizer_steps_taken`` for OPTIMIZER_STEP), so nothing is counted per event. Nothing
+        here reads a tensor's value: no host sync.
+        """
+        state, control, bus, model, optimizer = self.state, self.control, self.bus, self.model, self.optimizer
+        assert optimizer is not None and self.train_data is not None
         epoch = state.epochs_completed
         control.should_epoch_stop = False
         self._fire(Event.EPOCH_START, lambda: EpochStartEvent(self, epoch))
-        assert self.train_data is not None
         batches = self.hooks.epoch_iterator(self.train_data, epoch, state.batches_in_epoch)
         k = self.accumulation_steps
-        exhausted = False
-        while True:
-            if k == 1:  # the common case without islice / list building
-                batch = next(batches, _END)
-                window = [] if batch is _END else [batch]
-            else:
-                window = list(itertools.islice(batches, k))
-            if not window:
-                exhausted = True
-                break
-            self._train_window(window, steps_per_epoch)
+        windows = zip(batches) if k == 1 else _windows(batches, k)  # zip builds the 1-tuples in C
+        listening, dispatch, step_outputs = bus._handlers, bus.dispatch, self.step_outputs
+        exhausted = True
+        for window in windows:
+            # hooks are re-read per window: a handler may have wrapped one since the last window
+            hooks, move = self.hooks, self._move_batches
+            size = len(window)
+            step = state.global_step + 1
+            if step_outputs:
+                step_outputs.clear()
+            if listening[_STEP_START]:
+                dispatch(Event.STEP_START, StepStartEvent(self, window), step)
+            first = state.micro_steps + 1  # micro_index = micro_steps - first, computed only for payloads
+            stepped = False
+            try:
+                for batch in window:
+                    state.micro_steps += 1
+                    if listening[_BATCH_START]:
+                        started = BatchStartEvent(self, batch, state.micro_steps - first, size)
+                        dispatch(Event.BATCH_START, started, state.micro_steps)
+                        batch = started.batch
+                    if move:
+                        batch = hooks.to_device(batch, self._device)
+                    outputs = hooks.forward(model, batch)
+                    loss = hooks.compute_loss(outputs, batch)
+                    if listening[_LOSS]:
+                        scored = LossEvent(self, batch, outputs, loss, state.micro_steps - first, size)
+                        dispatch(Event.LOSS, scored, state.micro_steps)
+                        loss = scored.loss
+                    hooks.backward(loss)
+                    if listening[_BACKWARD_END]:
+                        ended = BackwardEndEvent(self, loss, state.micro_steps - first, size)
+                        dispatch(Event.BACKWARD_END, ended, state.micro_steps)
+                vetoed = False
+                if listening[_BEFORE_OPTIMIZER_STEP]:
+                    check = BeforeOptimizerStepEvent(self)
+                    dispatch(Event.BEFORE_OPTIMIZER_STEP, check, step)
+                    vetoed = check.skip
+                # the hook returns False when it skipped the step (AMP overflow); None counts as stepped
+                if not vetoed and hooks.optimizer_step(optimizer) is not False:
+                    stepped = True
+                    state.optimizer_steps_taken += 1
+                    if listening[_OPTIMIZER_STEP]:
+                        dispatch(Event.OPTIMIZER_STEP, OptimizerStepEvent(self), state.optimizer_steps_taken)
+            finally:
+                hooks.zero_grad(optimizer)  # a failed window leaves no half-accumulated gradients behind
+            state.global_step = step
+            state.epoch_step += 1
+            state.batches_in_epoch += size
+            if steps_per_epoch:
+                state.epoch = epoch + state.epoch_step / steps_per_epoch
+            if listening[_STEP_END]:
+                dispatch(Event.STEP_END, StepEndEvent(self, stepped), step)
+            # after the window: act on Control
             if control.should_log or control.should_evaluate or control.should_save:
                 self._side_effects()
             if control.should_training_stop or control.should_epoch_stop or state.global_step >= max_steps:
+                exhausted = False
                 break
         if exhausted and state.batches_in_epoch == 0:
             raise ConfigError(f"train_data yielded no batches in epoch {epoch}")
@@ -315,65 +375,6 @@ class Engine(Assembly):
             state.epoch_step = 0
         self._fire(Event.EPOCH_END, lambda: EpochEndEvent(self, epoch))
         self._side_effects()
-
-    def _train_window(self, window: list[Any], steps_per_epoch: int | None) -> None:
-        """One optimizer step over the micro-batches of ``window``.
-
-        This is the hot path. A payload is only built when the event has handlers, and the
-        occurrence number filters see comes from the step counters the loop keeps anyway
-        (``global_step + 1`` for the window's step events, ``micro_steps`` for micro-batch
-        events, ``optimizer_steps_taken`` for OPTIMIZER_STEP), so nothing is counted per event.
-        Nothing here reads a tensor's value: no host sync.
-        """
-        hooks, model, state, optimizer, bus = self.hooks, self.model, self.state, self.optimizer, self.bus
-        assert optimizer is not None
-        listening = bus._handlers
-        size = len(window)
-        step = state.global_step + 1
-        move = self._move_batches
-        self.step_outputs.clear()
-        if listening[_STEP_START]:
-            bus.dispatch(Event.STEP_START, StepStartEvent(self, window), step)
-        stepped = False
-        try:
-            for i, batch in enumerate(window):
-                state.micro_steps += 1
-                if listening[_BATCH_START]:
-                    started = BatchStartEvent(self, batch, i, size)
-                    bus.dispatch(Event.BATCH_START, started, state.micro_steps)
-                    batch = started.batch
-                if move:
-                    batch = hooks.to_device(batch, self.device)
-                outputs = hooks.forward(model, batch)
-                loss = hooks.compute_loss(outputs, batch)
-                if listening[_LOSS]:
-                    scored = LossEvent(self, batch, outputs, loss, i, size)
-                    bus.dispatch(Event.LOSS, scored, state.micro_steps)
-                    loss = scored.loss
-                hooks.backward(loss)
-                if listening[_BACKWARD_END]:
-                    bus.dispatch(Event.BACKWARD_END, BackwardEndEvent(self, loss, i, size), state.micro_steps)
-            skip = False
-            if listening[_BEFORE_OPTIMIZER_STEP]:
-                check = BeforeOptimizerStepEvent(self)
-                bus.dispatch(Event.BEFORE_OPTIMIZER_STEP, check, step)
-                skip = check.skip
-            if not skip:
-                stepped = hooks.optimizer_step(optimizer)
-            if stepped:
-                state.optimizer_steps_taken += 1
-                if listening[_OPTIMIZER_STEP]:
-                    bus.dispatch(Event.OPTIMIZER_STEP, OptimizerStepEvent(self), state.optimizer_steps_taken)
-        finally:
-            # a failed window leaves no half-accumulated gradients behind
-            hooks.zero_grad(optimizer)
-        state.global_step = step
-        state.epoch_step += 1
-        state.batches_in_epoch += size
-        if steps_per_epoch:
-            state.epoch = state.epochs_completed + state.epoch_step / steps_per_epoch
-        if listening[_STEP_END]:
-            bus.dispatch(Event.STEP_END, StepEndEvent(self, stepped), step)
 
     # -- evaluate / predict --------------------------------------------------------------------
     def evaluate(self, data: Any = None, *, prefix: str = "eval") -> dict[str, Any]:

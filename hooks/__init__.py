@@ -29,7 +29,7 @@ class Hooks:
     forward: Callable[[torch.nn.Module, Any], Any] = forward
     compute_loss: Callable[[Any, Any], torch.Tensor] = compute_loss
     backward: Callable[[torch.Tensor], None] = backward
-    optimizer_step: Callable[[torch.optim.Optimizer], bool] = optimizer_step
+    optimizer_step: Callable[[torch.optim.Optimizer], Any] = optimizer_step  # False: did not step
     zero_grad: Callable[[torch.optim.Optimizer], None] = zero_grad
     prediction_step: Callable[..., tuple[torch.Tensor | None, Any, Any]] = prediction_step
     epoch_iterator: Callable[[Iterable[Any], int, int], Iterator[Any]] = epoch_iterator

@@ -7,6 +7,7 @@ signature, and a plugin wraps one (autocast around forward, a scaler around back
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -85,15 +86,15 @@ def loss_with(loss_fn: LossFn, label_names: tuple[str, ...] = ("labels",)) -> Ca
     return compute_loss_with_fn
 
 
-def backward(loss: torch.Tensor) -> None:
-    loss.backward()  # type: ignore[no-untyped-call]
+# The last three defaults are the torch calls themselves, not Python wrappers around them: they
+# run once per step, and a step of a small model is ~200 us, so a saved frame is measurable.
 
+#: ``backward(loss)``: ``loss.backward()``
+backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
 
-def optimizer_step(optimizer: torch.optim.Optimizer) -> bool:
-    """Step the optimizer; return whether it stepped (an AMP scaler may skip on overflow)."""
-    optimizer.step()
-    return True
+#: ``optimizer_step(optimizer)``: ``optimizer.step()``. A replacement returns False when it did
+#: not step (an AMP overflow); any other result, None included, counts as a step taken.
+optimizer_step: Callable[[torch.optim.Optimizer], Any] = operator.methodcaller("step")
 
-
-def zero_grad(optimizer: torch.optim.Optimizer) -> None:
-    optimizer.zero_grad(set_to_none=True)
+#: ``zero_grad(optimizer)``: ``optimizer.zero_grad(set_to_none=True)``
+zero_grad: Callable[[torch.optim.Optimizer], None] = operator.methodcaller("zero_grad", set_to_none=True)

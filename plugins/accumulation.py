@@ -33,7 +33,7 @@ CountItems = Callable[[Any], Count]
 IGNORE_INDEX = -100
 
 
-def count_items(batch: Any, label_names: Sequence[str] = ("labels",)) -> Count:
+def count_items(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Count:
     """Items a micro-batch's mean loss averages over.
 
     Integer labels: the labels that are not -100 (tokens for language models, samples for
@@ -41,7 +41,7 @@ def count_items(batch: Any, label_names: Sequence[str] = ("labels",)) -> Count:
     No labels: the samples (``batch_size_of``). Counts that depend on label values stay tensors, on
     every device, so no step reads a value back (no host sync); counts known from shapes are ints.
     """
-    labels = get_labels(batch, tuple(label_names))
+    labels = get_labels(batch, label_names)
     if isinstance(labels, tuple):
         labels = labels[0]
     if not isinstance(labels, torch.Tensor):
@@ -112,35 +112,35 @@ class GradientAccumulation(Plugin):
         engine.accumulation_steps = 1
 
     # -- the window ------------------------------------------------------------------------------
-    def _count(self, batch: Any, label_names: Sequence[str]) -> Count:
-        if self.count_fn is not None:
-            return self.count_fn(batch)
-        return count_items(batch, label_names)
-
     def step_start(self, event: StepStartEvent) -> None:
-        self._sync_off.close()  # a failed window must not leave gradient sync switched off
+        if self._ddp_handles:
+            self._sync_off.close()  # a failed window must not leave gradient sync switched off
         self.micro_index = 0
-        counts = [self._count(b, event.engine.label_names) for b in event.batches]
+        if self.count_fn is None:
+            label_names = event.engine.label_names
+            counts = [count_items(b, label_names) for b in event.batches]
+        else:
+            counts = [self.count_fn(b) for b in event.batches]
         self._factors = window_factors(counts)
-        self._per_micro = None  # tensor weights are cast to the loss's dtype once per window
+        self._per_micro = None  # tensor weights are cast to the loss's device and dtype at the first LOSS
 
     def scale_loss(self, event: LossEvent) -> None:
-        loss = event.loss
+        loss, i = event.loss, event.micro_index
         factors = self._factors
-        if isinstance(factors, tuple):
-            if self._per_micro is None or self._per_micro[0][0].dtype != loss.dtype:
+        if type(factors) is tuple:
+            if self._per_micro is None:
                 weights, has_items = factors
                 self._per_micro = (weights.to(loss.device, loss.dtype).unbind(), has_items.to(loss.device).unbind())
-            weight, has_items_i = self._per_micro[0][event.micro_index], self._per_micro[1][event.micro_index]
+            weights_i, has_items_i = self._per_micro
             # a micro-batch with no items contributes nothing (its own mean loss is 0/0)
-            event.loss = torch.where(has_items_i, loss * weight, 0.0)
-        elif factors[event.micro_index] == 0:
+            event.loss = torch.where(has_items_i[i], loss * weights_i[i], 0.0)
+        elif factors[i] == 0:
             # no item in the whole window: keep the graph, contribute a zero (not 0 * NaN) gradient
             event.loss = torch.where(torch.zeros((), dtype=torch.bool, device=loss.device), loss, 0.0)
         else:
-            event.loss = loss * factors[event.micro_index]
+            event.loss = loss * factors[i]
         self.micro_batches_seen += 1
-        self.micro_index = event.micro_index + 1 if event.micro_index + 1 < event.window_size else 0
+        self.micro_index = (i + 1) % event.window_size
 
     # -- DDP: all-reduce once per window ---------------------------------------------------------
     def batch_start(self, event: BatchStartEvent) -> None:
@@ -171,9 +171,9 @@ def window_factors(counts: Sequence[Count]) -> list[float] | tuple[torch.Tensor,
     if all(isinstance(c, int) for c in counts):
         total = sum(int(c) for c in counts)
         return [int(c) / total if total else 0.0 for c in counts]
-    tensors = [torch.as_tensor(c) for c in counts]
-    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+    # counts are stacked on the device of the first tensor count (ints and strays are moved there)
+    device = next(c.device for c in counts if isinstance(c, torch.Tensor))
     dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
-    stacked = torch.stack([t if t.device == device else t.to(device) for t in tensors]).to(dtype)
+    stacked = torch.stack([torch.as_tensor(c, device=device) for c in counts]).to(dtype)
     weights = stacked / stacked.sum().clamp_min(1.0)  # all-zero window: weights 0 instead of 0/0
     return weights, stacked > 0

@@ -154,7 +154,7 @@ class MixedPrecision(Plugin):
 
         return scaled_backward
 
-    def _scaled_step(self, inner: Callable[[torch.optim.Optimizer], bool]) -> Callable[[torch.optim.Optimizer], bool]:
+    def _scaled_step(self, inner: Callable[[torch.optim.Optimizer], Any]) -> Callable[[torch.optim.Optimizer], bool]:
         def scaled_step(optimizer: torch.optim.Optimizer) -> bool:
             if not self._unscaled:  # called outside the loop's BEFORE_OPTIMIZER_STEP
                 self.scaler.unscale_(optimizer)
@@ -164,7 +164,7 @@ class MixedPrecision(Plugin):
             if overflow:
                 self.skipped_steps += 1
             else:
-                stepped = bool(inner(optimizer))
+                stepped = inner(optimizer) is not False  # None from a plain optimizer.step()
             self.scaler.update()
             self._unscaled = False
             return stepped
