@@ -304,10 +304,14 @@ class Engine(Assembly):
         k = self.accumulation_steps
         windows = zip(batches) if k == 1 else _windows(batches, k)  # zip builds the 1-tuples in C
         listening, dispatch, step_outputs = bus._handlers, bus.dispatch, self.step_outputs
+        hooks = None
         exhausted = True
         for window in windows:
-            # hooks are re-read per window: a handler may have wrapped one since the last window
-            hooks, move = self.hooks, self._move_batches
+            if self.hooks is not hooks:  # first window, or a plugin (re)composed the hooks since the last
+                hooks = self.hooks
+                forward, compute_loss, backward = hooks.forward, hooks.compute_loss, hooks.backward
+                optimizer_step, zero_grad = hooks.optimizer_step, hooks.zero_grad
+                move = self._move_batches
             size = len(window)
             step = state.global_step + 1
             if step_outputs:
@@ -325,13 +329,13 @@ class Engine(Assembly):
                         batch = started.batch
                     if move:
                         batch = hooks.to_device(batch, self._device)
-                    outputs = hooks.forward(model, batch)
-                    loss = hooks.compute_loss(outputs, batch)
+                    outputs = forward(model, batch)
+                    loss = compute_loss(outputs, batch)
                     if listening[_LOSS]:
                         scored = LossEvent(self, batch, outputs, loss, state.micro_steps - first, size)
                         dispatch(Event.LOSS, scored, state.micro_steps)
                         loss = scored.loss
-                    hooks.backward(loss)
+                    backward(loss)
                     if listening[_BACKWARD_END]:
                         ended = BackwardEndEvent(self, loss, state.micro_steps - first, size)
                         dispatch(Event.BACKWARD_END, ended, state.micro_steps)
@@ -341,13 +345,13 @@ class Engine(Assembly):
                     dispatch(Event.BEFORE_OPTIMIZER_STEP, check, step)
                     vetoed = check.skip
                 # the hook returns False when it skipped the step (AMP overflow); None counts as stepped
-                if not vetoed and hooks.optimizer_step(optimizer) is not False:
+                if not vetoed and optimizer_step(optimizer) is not False:
                     stepped = True
                     state.optimizer_steps_taken += 1
                     if listening[_OPTIMIZER_STEP]:
                         dispatch(Event.OPTIMIZER_STEP, OptimizerStepEvent(self), state.optimizer_steps_taken)
             finally:
-                hooks.zero_grad(optimizer)  # a failed window leaves no half-accumulated gradients behind
+                zero_grad(optimizer)  # a failed window leaves no half-accumulated gradients behind
             state.global_step = step
             state.epoch_step += 1
             state.batches_in_epoch += size
@@ -355,10 +359,14 @@ class Engine(Assembly):
                 state.epoch = epoch + state.epoch_step / steps_per_epoch
             if listening[_STEP_END]:
                 dispatch(Event.STEP_END, StepEndEvent(self, stepped), step)
-            # after the window: act on Control
-            if control.should_log or control.should_evaluate or control.should_save:
-                self._side_effects()
-            if control.should_training_stop or control.should_epoch_stop or state.global_step >= max_steps:
+            # after the window: act on Control (one attribute tells whether any flag is set)
+            if control.requested:
+                if control.should_log or control.should_evaluate or control.should_save:
+                    self._side_effects()
+                if control.should_training_stop or control.should_epoch_stop:
+                    exhausted = False
+                    break
+            if state.global_step >= max_steps:
                 exhausted = False
                 break
         if exhausted and state.batches_in_epoch == 0:

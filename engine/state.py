@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import ConfigError
 
@@ -112,6 +112,9 @@ def _decode(value: Any) -> Any:
     return value
 
 
+_CONTROL_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
+
+
 @dataclass
 class Control:
     """Requests from handlers to the loop. Field names follow ``transformers.TrainerControl``.
@@ -126,6 +129,14 @@ class Control:
     should_save: bool = False
     should_evaluate: bool = False
     should_log: bool = False
+    #: True while any flag is set: the loop reads this one attribute after every step, not five.
+    #: Not a field (so not in to_dict / ==); each instance keeps its own copy, set by __setattr__.
+    requested: ClassVar[bool] = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _CONTROL_FLAGS:
+            object.__setattr__(self, "requested", any(getattr(self, flag) for flag in _CONTROL_FLAGS))
 
     def reset_side_effects(self) -> None:
         self.should_log = False

@@ -21,9 +21,14 @@ from .predict import prediction_step
 from .step import backward, compute_loss, forward, loss_from_outputs, loss_with, model_output, optimizer_step, zero_grad
 
 
-@dataclass
+@dataclass(frozen=True)
 class Hooks:
-    """The replaceable functions of the loop. Defaults are the functions of this package."""
+    """The replaceable functions of the loop. Defaults are the functions of this package.
+
+    Frozen: the engine reads its hooks into locals once per window and re-reads them only when
+    ``engine.hooks`` is another object, so a piece is changed with ``engine.set_hook`` /
+    ``wrap_hook`` (which compose a new ``Hooks``), never by assigning to a field.
+    """
 
     to_device: Callable[[Any, torch.device | None], Any] = to_device
     forward: Callable[[torch.nn.Module, Any], Any] = forward

@@ -31,6 +31,8 @@ Count = int | torch.Tensor
 CountItems = Callable[[Any], Count]
 
 IGNORE_INDEX = -100
+# label dtypes that hold class indices (where -100 means "ignore"); others are regression targets
+_CLASS_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
 def count_items(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Count:
@@ -41,14 +43,15 @@ def count_items(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Count
     No labels: the samples (``batch_size_of``). Counts that depend on label values stay tensors, on
     every device, so no step reads a value back (no host sync); counts known from shapes are ints.
     """
-    labels = get_labels(batch, label_names)
+    # (inputs, labels) tuples first: this runs for every micro-batch
+    labels = batch[1] if type(batch) is tuple and len(batch) == 2 else get_labels(batch, label_names)
     if isinstance(labels, tuple):
         labels = labels[0]
     if not isinstance(labels, torch.Tensor):
         return int(batch_size_of(batch))
-    if labels.is_floating_point() or labels.is_complex():
-        return labels.numel()
-    return labels.ne(IGNORE_INDEX).sum()
+    if labels.dtype in _CLASS_DTYPES:
+        return labels.ne(IGNORE_INDEX).sum()
+    return labels.numel()
 
 
 class GradientAccumulation(Plugin):
@@ -82,7 +85,7 @@ class GradientAccumulation(Plugin):
             raise TypeError(f"count_items must be callable, got {count_items!r}")
         self.steps = steps
         self.count_fn = count_items
-        self.micro_batches_seen = 0  # micro-batches whose loss this plugin normalised
+        self.micro_batches_seen = 0  # micro-batches of the windows this plugin has weighted
         self.micro_index = 0  # position in the current window (0 between optimizer steps)
         self._factors: list[float] | tuple[torch.Tensor, torch.Tensor] = []
         self._per_micro: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
@@ -116,6 +119,7 @@ class GradientAccumulation(Plugin):
         if self._ddp_handles:
             self._sync_off.close()  # a failed window must not leave gradient sync switched off
         self.micro_index = 0
+        self.micro_batches_seen += len(event.batches)
         if self.count_fn is None:
             label_names = event.engine.label_names
             counts = [count_items(b, label_names) for b in event.batches]
@@ -139,7 +143,6 @@ class GradientAccumulation(Plugin):
             event.loss = torch.where(torch.zeros((), dtype=torch.bool, device=loss.device), loss, 0.0)
         else:
             event.loss = loss * factors[i]
-        self.micro_batches_seen += 1
         self.micro_index = (i + 1) % event.window_size
 
     # -- DDP: all-reduce once per window ---------------------------------------------------------
@@ -171,9 +174,11 @@ def window_factors(counts: Sequence[Count]) -> list[float] | tuple[torch.Tensor,
     if all(isinstance(c, int) for c in counts):
         total = sum(int(c) for c in counts)
         return [int(c) / total if total else 0.0 for c in counts]
-    # counts are stacked on the device of the first tensor count (ints and strays are moved there)
-    device = next(c.device for c in counts if isinstance(c, torch.Tensor))
-    dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
-    stacked = torch.stack([torch.as_tensor(c, device=device) for c in counts]).to(dtype)
+    try:
+        stacked = torch.stack(counts)  # type: ignore[arg-type]  # the common case: tensors on one device
+    except (TypeError, RuntimeError):  # ints among them, or several devices: use the first tensor's
+        device = next(c.device for c in counts if isinstance(c, torch.Tensor))
+        stacked = torch.stack([torch.as_tensor(c, device=device) for c in counts])
+    stacked = stacked.to(torch.float32 if stacked.device.type == "mps" else torch.float64)  # mps has no float64
     weights = stacked / stacked.sum().clamp_min(1.0)  # all-zero window: weights 0 instead of 0/0
     return weights, stacked > 0
