@@ -1,0 +1,53 @@
+"""The benchmark's runs do what they claim (no timing asserted here: timing lives in benchmarks/)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.common import make_batches, paired_ratio
+from benchmarks.overhead import bookkeeping_cost, dispatch_cost, engine_run, raw_run, syncs_per_step
+from benchmarks.rows import _engine_stack, _raw_stack
+
+
+def test_engine_and_plugin_stack_read_no_tensor_value_per_step() -> None:
+    torch.set_num_threads(1)
+    batches = make_batches(12)
+    assert syncs_per_step(engine_run(batches), 12) == 0
+    assert syncs_per_step(_engine_stack(batches), 12) == 0
+
+
+def test_engine_trains_like_the_raw_loop_it_is_timed_against() -> None:
+    batches = make_batches(6)
+    engine, raw = engine_run(batches), raw_run(batches)
+    ratio, iqr, base_s, run_s = paired_ratio(raw, engine, rounds=2)
+    assert ratio > 0 and iqr >= 0 and base_s > 0 and run_s > 0
+
+
+def test_stack_and_its_raw_baseline_take_the_same_steps() -> None:
+    """Same model, data, accumulation, clipping and schedule: the weights end up equal."""
+    from benchmarks import rows
+
+    batches = make_batches(10)
+    seen: dict[str, torch.nn.Module] = {}
+    original = rows.make_model
+
+    def recording(name: str):  # type: ignore[no-untyped-def]
+        def make() -> torch.nn.Module:
+            seen[name] = original()
+            return seen[name]
+
+        return make
+
+    try:
+        rows.make_model = recording("engine")
+        _engine_stack(batches)()
+        rows.make_model = recording("raw")
+        _raw_stack(batches)()
+    finally:
+        rows.make_model = original
+    for a, b in zip(seen["engine"].parameters(), seen["raw"].parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_cost_probes_run() -> None:
+    assert bookkeeping_cost(steps=50) > 0 and dispatch_cost(1, fires=100) > 0
