@@ -88,7 +88,8 @@ class GradientAccumulation(Plugin):
         self.micro_batches_seen = 0  # micro-batches of the windows this plugin has weighted
         self.micro_index = 0  # position in the current window (0 between optimizer steps)
         self._factors: list[float] | tuple[torch.Tensor, torch.Tensor] = []
-        self._per_micro: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
+        # per micro-batch (weight, has_items) on the loss's device and dtype; built at the window's first LOSS
+        self._per_micro: list[tuple[Any, Any]] | None = None
         self._sync_off = contextlib.ExitStack()
 
     def attach(self, engine: Engine) -> None:
@@ -129,21 +130,26 @@ class GradientAccumulation(Plugin):
         self._per_micro = None  # tensor weights are cast to the loss's device and dtype at the first LOSS
 
     def scale_loss(self, event: LossEvent) -> None:
-        loss, i = event.loss, event.micro_index
-        factors = self._factors
-        if type(factors) is tuple:
-            if self._per_micro is None:
-                weights, has_items = factors
-                self._per_micro = (weights.to(loss.device, loss.dtype).unbind(), has_items.to(loss.device).unbind())
-            weights_i, has_items_i = self._per_micro
-            # a micro-batch with no items contributes nothing (its own mean loss is 0/0)
-            event.loss = torch.where(has_items_i[i], loss * weights_i[i], 0.0)
-        elif factors[i] == 0:
-            # no item in the whole window: keep the graph, contribute a zero (not 0 * NaN) gradient
-            event.loss = torch.where(torch.zeros((), dtype=torch.bool, device=loss.device), loss, 0.0)
-        else:
-            event.loss = loss * factors[i]
+        i = event.micro_index
+        per_micro = self._per_micro
+        if per_micro is None:
+            per_micro = self._per_micro = self._weights_like(event.loss)
+        weight, has_items = per_micro[i]
+        if has_items is True:
+            event.loss = event.loss * weight
+        else:  # a flag tensor (no host read), or a micro-batch known to have no items
+            # a micro-batch without items contributes a zero gradient, not its 0/0 mean loss
+            event.loss = torch.where(has_items, event.loss * weight, 0.0)
         self.micro_index = (i + 1) % event.window_size
+
+    def _weights_like(self, loss: torch.Tensor) -> list[tuple[Any, Any]]:
+        """The window's factors as (weight, has_items) per micro-batch, on the loss's device and dtype."""
+        factors = self._factors
+        if isinstance(factors, tuple):
+            weights, has_items = factors
+            return list(zip(weights.to(loss.device, loss.dtype).unbind(), has_items.to(loss.device).unbind()))
+        no_items = torch.zeros((), dtype=torch.bool, device=loss.device)
+        return [(factor, True) if factor else (0.0, no_items) for factor in factors]
 
     # -- DDP: all-reduce once per window ---------------------------------------------------------
     def batch_start(self, event: BatchStartEvent) -> None:
