@@ -293,7 +293,9 @@ class Engine(Assembly):
         number filters see comes from counters the loop keeps anyway (``global_step + 1`` for
         the window's step events, ``micro_steps`` for micro-batch events,
         ``optimizer_steps_taken`` for OPTIMIZER_STEP), so nothing is counted per event. Nothing
-        here reads a tensor's value: no host sync.
+        here reads a tensor's value: no host sync. The model, optimizer, state and control are read
+        at the epoch's start (replace them between epochs, e.g. at EPOCH_START or before fit);
+        hooks are read again at any window after ``engine.hooks`` changed.
         """
         state, control, bus, model, optimizer = self.state, self.control, self.bus, self.model, self.optimizer
         assert optimizer is not None and self.train_data is not None
