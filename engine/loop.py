@@ -293,15 +293,16 @@ class Engine(Assembly):
         number filters see comes from counters the loop keeps anyway (``global_step + 1`` for
         the window's step events, ``micro_steps`` for micro-batch events,
         ``optimizer_steps_taken`` for OPTIMIZER_STEP), so nothing is counted per event. Nothing
-        here reads a tensor's value: no host sync. The model, optimizer, state and control are read
-        at the epoch's start (replace them between epochs, e.g. at EPOCH_START or before fit);
-        hooks are read again at any window after ``engine.hooks`` changed.
+        here reads a tensor's value: no host sync. The model and optimizer are read once per epoch,
+        after EPOCH_START (a handler there may replace them); hooks are read again at any window
+        after ``engine.hooks`` changed.
         """
-        state, control, bus, model, optimizer = self.state, self.control, self.bus, self.model, self.optimizer
-        assert optimizer is not None and self.train_data is not None
+        state, control, bus = self.state, self.control, self.bus
         epoch = state.epochs_completed
         control.should_epoch_stop = False
         self._fire(Event.EPOCH_START, lambda: EpochStartEvent(self, epoch))
+        model, optimizer = self.model, self.optimizer  # after EPOCH_START: its handlers may replace them
+        assert optimizer is not None and self.train_data is not None
         batches = self.hooks.epoch_iterator(self.train_data, epoch, state.batches_in_epoch)
         k = self.accumulation_steps
         windows = zip(batches) if k == 1 else _windows(batches, k)  # zip builds the 1-tuples in C

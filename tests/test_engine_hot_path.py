@@ -95,3 +95,19 @@ def test_control_requested_is_true_exactly_while_a_flag_is_set(sets: list[tuple[
 def test_requested_is_not_a_field() -> None:
     control = Control(should_log=True)
     assert "requested" not in control.to_dict() and control == Control(should_log=True)
+
+
+def test_an_optimizer_replaced_at_epoch_start_is_used_for_that_epoch() -> None:
+    engine = linear_engine(2)
+    engine.max_epochs = 2
+    frozen = torch.optim.SGD(engine.model.parameters(), lr=0.0)
+
+    def swap(ev: Any) -> None:
+        if ev.epoch == 1:
+            ev.engine.optimizer = frozen
+
+    engine.on(Event.EPOCH_START, swap)
+    weights: list[torch.Tensor] = []
+    engine.on(Event.EPOCH_END, lambda ev: weights.append(ev.engine.model.weight.detach().clone()))
+    engine.fit()
+    assert engine.optimizer is frozen and torch.equal(weights[0], weights[1])  # epoch 2 stepped with lr 0
