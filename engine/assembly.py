@@ -60,10 +60,10 @@ class Assembly:
             raise ConfigError(f"unknown hook {name!r}{suggest(name, Hooks.names())}; hooks: {', '.join(Hooks.names())}")
 
     def _compose_hooks(self) -> None:
-        hooks = self._base_hooks
+        hooks = replace(self._base_hooks)  # always a new object: the loop re-reads hooks when it changes
         for _token, name, wrapper in self._wrappers:
             hooks = replace(hooks, **{name: wrapper(getattr(hooks, name))})
-        self.hooks = hooks if hooks is not self._base_hooks else replace(hooks)  # always a new object
+        self.hooks = hooks
         # batches from a DataLoader are CPU tensors: with the default hook and a CPU model,
         # moving them is a no-op we skip on the hot path
         self._move_batches = hooks.to_device is not default_to_device or self._device.type != "cpu"

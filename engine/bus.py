@@ -177,26 +177,18 @@ class EventBus:
                 logger.debug("%s -> %s", event.name, record.name)
             try:
                 record.fn(payload)
+            except HandlerError:
+                raise
+            except TrainbusError as exc:
+                # our own errors already say what is wrong and what is allowed; keep their type so
+                # callers can catch ConfigError, and say where they came from
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"raised by handler {record.name!r} at event {event.name}")
+                raise
             except Exception as exc:
-                failure = _failure(record, event, exc)
-                if failure is exc:
-                    raise
-                raise failure from exc
+                raise HandlerError(record.name, event.name, exc) from exc
 
     def enable_trace(self) -> list[tuple[str, str]]:
         """Record (event, handler) for every handler call from now on; returns the list."""
         self.trace = []
         return self.trace
-
-
-def _failure(record: _Record, event: EventType[Any], exc: Exception) -> Exception:
-    """The exception a handler's ``exc`` surfaces as: itself, noted, or wrapped in HandlerError."""
-    if isinstance(exc, HandlerError):
-        return exc  # already names the innermost handler (a handler that fired an event itself)
-    if isinstance(exc, TrainbusError):
-        # our own errors already say what is wrong and what is allowed; keep their type so
-        # callers can catch ConfigError, and say where they came from
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"raised by handler {record.name!r} at event {event.name}")
-        return exc
-    return HandlerError(record.name, event.name, exc)

@@ -112,9 +112,6 @@ def _decode(value: Any) -> Any:
     return value
 
 
-_CONTROL_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
-
-
 @dataclass
 class Control:
     """Requests from handlers to the loop. Field names follow ``transformers.TrainerControl``.
@@ -135,8 +132,8 @@ class Control:
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
-        if name in _CONTROL_FLAGS:
-            object.__setattr__(self, "requested", any(getattr(self, flag) for flag in _CONTROL_FLAGS))
+        if name in CONTROL_FLAGS:
+            object.__setattr__(self, "requested", any(getattr(self, flag) for flag in CONTROL_FLAGS))
 
     def reset_side_effects(self) -> None:
         self.should_log = False
@@ -145,3 +142,7 @@ class Control:
 
     def to_dict(self) -> dict[str, bool]:
         return dataclasses.asdict(self)
+
+
+#: the names of Control's flags (its fields), in declaration order
+CONTROL_FLAGS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Control))

@@ -43,8 +43,7 @@ def count_items(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Count
     No labels: the samples (``batch_size_of``). Counts that depend on label values stay tensors, on
     every device, so no step reads a value back (no host sync); counts known from shapes are ints.
     """
-    # (inputs, labels) tuples first: this runs for every micro-batch
-    labels = batch[1] if type(batch) is tuple and len(batch) == 2 else get_labels(batch, label_names)
+    labels = get_labels(batch, label_names)
     if isinstance(labels, tuple):
         labels = labels[0]
     if not isinstance(labels, torch.Tensor):
@@ -148,7 +147,8 @@ class GradientAccumulation(Plugin):
         if isinstance(factors, tuple):
             weights, has_items = factors
             return list(zip(weights.to(loss.device, loss.dtype).unbind(), has_items.to(loss.device).unbind()))
-        no_items = torch.zeros((), dtype=torch.bool, device=loss.device)
+        # the flag tensor is only made when some micro-batch has no items
+        no_items = None if all(factors) else torch.zeros((), dtype=torch.bool, device=loss.device)
         return [(factor, True) if factor else (0.0, no_items) for factor in factors]
 
     # -- DDP: all-reduce once per window ---------------------------------------------------------

@@ -27,13 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from trainbus.engine import Event, Plugin, Priority
 from trainbus.engine.errors import check_positive_int
+from trainbus.engine.state import CONTROL_FLAGS
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
 
 logger = logging.getLogger("trainbus.plugins")
-
-CONTROL_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 
 CALLBACK_EVENTS = (
     "on_init_end",

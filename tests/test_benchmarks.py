@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.common import make_batches, paired_ratio
@@ -23,29 +24,18 @@ def test_engine_trains_like_the_raw_loop_it_is_timed_against() -> None:
     assert ratio > 0 and iqr >= 0 and base_s > 0 and run_s > 0
 
 
-def test_stack_and_its_raw_baseline_take_the_same_steps() -> None:
+def test_stack_and_its_raw_baseline_take_the_same_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Same model, data, accumulation, clipping and schedule: the weights end up equal."""
     from benchmarks import rows
 
     batches = make_batches(10)
-    seen: dict[str, torch.nn.Module] = {}
+    models: list[torch.nn.Module] = []
     original = rows.make_model
-
-    def recording(name: str):  # type: ignore[no-untyped-def]
-        def make() -> torch.nn.Module:
-            seen[name] = original()
-            return seen[name]
-
-        return make
-
-    try:
-        rows.make_model = recording("engine")
-        _engine_stack(batches)()
-        rows.make_model = recording("raw")
-        _raw_stack(batches)()
-    finally:
-        rows.make_model = original
-    for a, b in zip(seen["engine"].parameters(), seen["raw"].parameters()):
+    monkeypatch.setattr(rows, "make_model", lambda: models.append(original()) or models[-1])
+    _engine_stack(batches)()
+    _raw_stack(batches)()
+    engine_model, raw_model = models
+    for a, b in zip(engine_model.parameters(), raw_model.parameters()):
         torch.testing.assert_close(a, b)
 
 
