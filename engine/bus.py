@@ -19,6 +19,8 @@ from .filters import EventFilter, FilteredEvent
 logger = logging.getLogger("trainbus.engine")
 
 Handler = Callable[[P], None]
+#: ``caller(payload, n)``: runs an event's handlers in order for its ``n``-th occurrence
+Caller = Callable[[Any, int], None]
 
 
 class Priority:
@@ -101,9 +103,23 @@ class EventBus:
 
     def __init__(self) -> None:
         self._handlers: list[tuple[_Record, ...]] = [() for _ in Event.ALL]
+        #: per event index: None without handlers, else the caller that runs them (see ``_caller``).
+        #: The list is updated in place, so the loop may hold it and still see every change.
+        self.callers: list[Caller | None] = [None for _ in Event.ALL]
         self._seq = itertools.count()
         self.counts: dict[str, int] = {}
-        self.trace: list[tuple[str, str]] | None = None
+        self._trace: list[tuple[str, str]] | None = None
+
+    @property
+    def trace(self) -> list[tuple[str, str]] | None:
+        """(event, handler) of every handler call while tracing is on; None when off."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, trace: list[tuple[str, str]] | None) -> None:
+        self._trace = trace
+        for index in range(len(self._handlers)):
+            self._set_handlers(index, self._handlers[index])
 
     # -- registration -------------------------------------------------------------------------
     def on(
@@ -131,13 +147,60 @@ class EventBus:
             raise ConfigError(f"priority must be an int, got {priority!r}")
         record = _Record(event, handler, flt, priority, name or handler_name(handler), next(self._seq))
         current = self._handlers[event.index] + (record,)
-        self._handlers[event.index] = tuple(sorted(current, key=lambda r: (-r.priority, r.seq)))
+        self._set_handlers(event.index, tuple(sorted(current, key=lambda r: (-r.priority, r.seq))))
         return Handle(self, record)
 
     def _remove(self, record: _Record) -> None:
         current = self._handlers[record.event.index]
         if record in current:
-            self._handlers[record.event.index] = tuple(r for r in current if r is not record)
+            self._set_handlers(record.event.index, tuple(r for r in current if r is not record))
+
+    def _set_handlers(self, index: int, records: tuple[_Record, ...]) -> None:
+        self._handlers[index] = records
+        self.callers[index] = self._caller(records)
+
+    def _caller(self, records: tuple[_Record, ...]) -> Caller | None:
+        """The function that runs ``records`` for one occurrence, built once per change of handlers.
+
+        One handler without a filter, not traced, is what nearly every hot event has (LOSS with
+        accumulation, OPTIMIZER_STEP with a scheduler); its caller is just the guarded call, with no
+        loop, filter or trace check: a few opcodes per micro-batch instead of thirty.
+        """
+        if not records:
+            return None
+        if len(records) == 1 and records[0].filter is None and self._trace is None:
+            record = records[0]
+            fn = record.fn
+
+            def call_one(payload: Any, n: int) -> None:
+                try:
+                    fn(payload)
+                except Exception as exc:
+                    failure = _failure(record, exc)
+                    if failure is exc:
+                        raise
+                    raise failure from exc
+
+            return call_one
+
+        def call_all(payload: Any, n: int) -> None:
+            trace = self._trace
+            for record in records:
+                flt = record.filter
+                if flt is not None and not flt(n, payload):
+                    continue
+                if trace is not None:
+                    trace.append((record.event.name, record.name))
+                    logger.debug("%s -> %s", record.event.name, record.name)
+                try:
+                    record.fn(payload)
+                except Exception as exc:
+                    failure = _failure(record, exc)
+                    if failure is exc:
+                        raise
+                    raise failure from exc
+
+        return call_all
 
     def has_handlers(self, event: EventType[Any]) -> bool:
         return bool(self._handlers[event.index])
@@ -167,28 +230,27 @@ class EventBus:
 
     def dispatch(self, event: EventType[P], payload: P, n: int) -> None:
         """Run the handlers of an occurrence already counted (the loop counts even with no handler)."""
-        trace = self.trace
-        for record in self._handlers[event.index]:
-            flt = record.filter
-            if flt is not None and not flt(n, payload):
-                continue
-            if trace is not None:
-                trace.append((event.name, record.name))
-                logger.debug("%s -> %s", event.name, record.name)
-            try:
-                record.fn(payload)
-            except HandlerError:
-                raise
-            except TrainbusError as exc:
-                # our own errors already say what is wrong and what is allowed; keep their type so
-                # callers can catch ConfigError, and say where they came from
-                if hasattr(exc, "add_note"):
-                    exc.add_note(f"raised by handler {record.name!r} at event {event.name}")
-                raise
-            except Exception as exc:
-                raise HandlerError(record.name, event.name, exc) from exc
+        caller = self.callers[event.index]
+        if caller is not None:
+            caller(payload, n)
 
     def enable_trace(self) -> list[tuple[str, str]]:
         """Record (event, handler) for every handler call from now on; returns the list."""
-        self.trace = []
-        return self.trace
+        trace: list[tuple[str, str]] = []
+        self.trace = trace
+        return trace
+
+
+def _failure(record: _Record, exc: Exception) -> Exception:
+    """What a failing handler's exception becomes: ``exc`` itself, or a HandlerError naming the handler.
+
+    trainbus's own errors (ConfigError, ...) already say what is wrong and what is allowed; they
+    keep their type, so callers can catch ConfigError, with a note saying where they came from.
+    """
+    if isinstance(exc, HandlerError):
+        return exc
+    if isinstance(exc, TrainbusError):
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"raised by handler {record.name!r} at event {record.event.name}")
+        return exc
+    return HandlerError(record.name, record.event.name, exc)

@@ -288,8 +288,9 @@ class Engine(Assembly):
 
         The window body below is the hot path, written out in this one frame on purpose: every
         Python operation here runs once per step, and a step of a small model is ~200 us. An
-        event's payload is only built when the event has handlers (``listening`` holds the bus's
-        live handler tuples, so a handler registered mid-run is seen at once). The occurrence
+        event's payload is only built when the event has handlers (``callers`` is the bus's live list
+        of per-event callers, None where nobody listens, so a handler registered mid-run is seen at
+        once). The occurrence
         number filters see comes from counters the loop keeps anyway (``global_step + 1`` for
         the window's step events, ``micro_steps`` for micro-batch events,
         ``optimizer_steps_taken`` for OPTIMIZER_STEP), so nothing is counted per event. Nothing
@@ -306,7 +307,7 @@ class Engine(Assembly):
         batches = self.hooks.epoch_iterator(self.train_data, epoch, state.batches_in_epoch)
         k = self.accumulation_steps
         windows = zip(batches) if k == 1 else _windows(batches, k)  # zip builds the 1-tuples in C
-        listening, dispatch, step_outputs = bus._handlers, bus.dispatch, self.step_outputs
+        callers, step_outputs = bus.callers, self.step_outputs
         hooks = None
         exhausted = True
         for window in windows:
@@ -319,40 +320,39 @@ class Engine(Assembly):
             step = state.global_step + 1
             if step_outputs:
                 step_outputs.clear()
-            if listening[_STEP_START]:
-                dispatch(Event.STEP_START, StepStartEvent(self, window), step)
+            if call := callers[_STEP_START]:
+                call(StepStartEvent(self, window), step)
             first = state.micro_steps + 1  # micro_index = micro_steps - first, computed only for payloads
             stepped = False
             try:
                 for batch in window:
                     state.micro_steps += 1
-                    if listening[_BATCH_START]:
+                    if call := callers[_BATCH_START]:
                         started = BatchStartEvent(self, batch, state.micro_steps - first, size)
-                        dispatch(Event.BATCH_START, started, state.micro_steps)
+                        call(started, state.micro_steps)
                         batch = started.batch
                     if move:
                         batch = hooks.to_device(batch, self._device)
                     outputs = forward(model, batch)
                     loss = compute_loss(outputs, batch)
-                    if listening[_LOSS]:
+                    if call := callers[_LOSS]:
                         scored = LossEvent(self, batch, outputs, loss, state.micro_steps - first, size)
-                        dispatch(Event.LOSS, scored, state.micro_steps)
+                        call(scored, state.micro_steps)
                         loss = scored.loss
                     backward(loss)
-                    if listening[_BACKWARD_END]:
-                        ended = BackwardEndEvent(self, loss, state.micro_steps - first, size)
-                        dispatch(Event.BACKWARD_END, ended, state.micro_steps)
+                    if call := callers[_BACKWARD_END]:
+                        call(BackwardEndEvent(self, loss, state.micro_steps - first, size), state.micro_steps)
                 vetoed = False
-                if listening[_BEFORE_OPTIMIZER_STEP]:
+                if call := callers[_BEFORE_OPTIMIZER_STEP]:
                     check = BeforeOptimizerStepEvent(self)
-                    dispatch(Event.BEFORE_OPTIMIZER_STEP, check, step)
+                    call(check, step)
                     vetoed = check.skip
                 # the hook returns False when it skipped the step (AMP overflow); None counts as stepped
                 if not vetoed and optimizer_step(optimizer) is not False:
                     stepped = True
                     state.optimizer_steps_taken += 1
-                    if listening[_OPTIMIZER_STEP]:
-                        dispatch(Event.OPTIMIZER_STEP, OptimizerStepEvent(self), state.optimizer_steps_taken)
+                    if call := callers[_OPTIMIZER_STEP]:
+                        call(OptimizerStepEvent(self), state.optimizer_steps_taken)
             finally:
                 zero_grad(optimizer)  # a failed window leaves no half-accumulated gradients behind
             state.global_step = step
@@ -360,8 +360,8 @@ class Engine(Assembly):
             state.batches_in_epoch += size
             if steps_per_epoch:
                 state.epoch = epoch + state.epoch_step / steps_per_epoch
-            if listening[_STEP_END]:
-                dispatch(Event.STEP_END, StepEndEvent(self, stepped), step)
+            if call := callers[_STEP_END]:
+                call(StepEndEvent(self, stepped), step)
             # after the window: act on Control (one attribute tells whether any flag is set)
             if control.requested:
                 if control.should_log or control.should_evaluate or control.should_save:

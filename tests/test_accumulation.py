@@ -182,6 +182,9 @@ def test_count_items_rules() -> None:
     weights, has_items = factors
     torch.testing.assert_close(weights, torch.tensor([0.25, 0.75, 0.0], dtype=torch.float64))
     assert has_items.tolist() == [True, True, False]
+    weights, has_items = window_factors([3, torch.tensor(1)])  # type: ignore[misc]  # an int first: same result
+    torch.testing.assert_close(weights, torch.tensor([0.75, 0.25], dtype=torch.float64))
+    assert has_items.tolist() == [True, True]
     with count_syncs() as counter:  # label counts stay tensors: the window reads nothing back
         window_factors([count_items((torch.zeros(2, 2), torch.tensor([1, -100]))) for _ in range(3)])
     assert counter.count == 0

@@ -135,6 +135,47 @@ def test_trace_records_who_ran_at_which_event() -> None:
     assert engine.bus.trace == [("STEP_END", "mine"), ("STEP_END", "mine")]
 
 
+def test_trace_switched_on_and_off_after_registration() -> None:
+    bus = EventBus()
+    bus.on(Event.STEP_END, lambda ev: None, name="only")  # a lone handler: the bus calls it directly
+    bus.fire(Event.STEP_END, None)
+    trace = bus.enable_trace()
+    bus.fire(Event.STEP_END, None)
+    bus.trace = None
+    bus.fire(Event.STEP_END, None)
+    assert trace == [("STEP_END", "only")]
+    assert bus.counts["STEP_END"] == 3
+
+
+@pytest.mark.parametrize("handlers", [1, 2])  # one handler has its own caller; several share the loop
+def test_handler_failures_are_wrapped_the_same_way_with_one_or_several_handlers(handlers: int) -> None:
+    def fail_with(exc: Exception):  # type: ignore[no-untyped-def]
+        def handler(ev: object) -> None:
+            raise exc
+
+        return handler
+
+    for exc, wrapped in [(RuntimeError("boom"), True), (ConfigError("bad value"), False)]:
+        bus = EventBus()
+        for _ in range(handlers - 1):
+            bus.on(Event.LOG, lambda ev: None, priority=1)
+        bus.on(Event.LOG, fail_with(exc), name="failing")
+        with pytest.raises(HandlerError if wrapped else ConfigError) as info:
+            bus.fire(Event.LOG, None)
+        if wrapped:
+            assert info.value.__cause__ is exc and "handler 'failing' failed at event LOG" in str(info.value)
+        else:
+            assert info.value is exc
+            if sys.version_info >= (3, 11):
+                assert exc.__notes__ == ["raised by handler 'failing' at event LOG"]
+    inner = HandlerError("inner", "LOSS", RuntimeError("x"))
+    bus = EventBus()
+    bus.on(Event.LOG, fail_with(inner))
+    with pytest.raises(HandlerError) as info:
+        bus.fire(Event.LOG, None)
+    assert info.value is inner  # a HandlerError from a nested dispatch is not wrapped twice
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
