@@ -339,9 +339,13 @@ class Engine(Assembly):
                         scored = LossEvent(self, batch, outputs, loss, state.micro_steps - first, size)
                         call(scored, state.micro_steps)
                         loss = scored.loss
+                        del scored
                     backward(loss)
                     if call := callers[_BACKWARD_END]:
                         call(BackwardEndEvent(self, loss, state.micro_steps - first, size), state.micro_steps)
+                    # free this micro-batch's outputs and what is left of its graph now, as a loop written
+                    # by hand does, not after the next forward: an LLM's logits alone can take gigabytes
+                    del outputs, loss
                 vetoed = False
                 if call := callers[_BEFORE_OPTIMIZER_STEP]:
                     check = BeforeOptimizerStepEvent(self)

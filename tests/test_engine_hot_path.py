@@ -111,3 +111,26 @@ def test_an_optimizer_replaced_at_epoch_start_is_used_for_that_epoch() -> None:
     engine.on(Event.EPOCH_END, lambda ev: weights.append(ev.engine.model.weight.detach().clone()))
     engine.fit()
     assert engine.optimizer is frozen and torch.equal(weights[0], weights[1])  # epoch 2 stepped with lr 0
+
+
+@pytest.mark.parametrize("accumulate", [False, True])  # without LOSS handlers, and with one that scales
+def test_a_micro_batch_outputs_are_freed_before_the_next_forward(accumulate: bool) -> None:
+    import weakref
+
+    from trainbus.hooks import forward as default_forward
+    from trainbus.plugins.accumulation import GradientAccumulation
+
+    previous: list[weakref.ref[torch.Tensor]] = []
+    alive_at_forward: list[bool] = []
+
+    def forward(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        alive_at_forward.append(any(ref() is not None for ref in previous))
+        outputs = default_forward(model, batch)
+        previous.append(weakref.ref(outputs))
+        return outputs
+
+    plugins = [GradientAccumulation(3)] if accumulate else []
+    engine = linear_engine(6, hooks=Hooks(forward=forward), plugins=plugins)
+    engine.fit()
+    assert len(alive_at_forward) == 6 and not any(alive_at_forward)
+    assert all(ref() is None for ref in previous)  # the last one too, before the optimizer step ends the run
