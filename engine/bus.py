@@ -10,7 +10,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import ConfigError, HandlerError, TrainbusError
 from .events import Event, EventType, P, event_by_name
@@ -176,10 +176,7 @@ class EventBus:
                 try:
                     fn(payload)
                 except Exception as exc:
-                    failure = _failure(record, exc)
-                    if failure is exc:
-                        raise
-                    raise failure from exc
+                    _reraise(record, exc)
 
             return call_one
 
@@ -195,10 +192,7 @@ class EventBus:
                 try:
                     record.fn(payload)
                 except Exception as exc:
-                    failure = _failure(record, exc)
-                    if failure is exc:
-                        raise
-                    raise failure from exc
+                    _reraise(record, exc)
 
         return call_all
 
@@ -241,16 +235,17 @@ class EventBus:
         return trace
 
 
-def _failure(record: _Record, exc: Exception) -> Exception:
-    """What a failing handler's exception becomes: ``exc`` itself, or a HandlerError naming the handler.
+def _reraise(record: _Record, exc: Exception) -> NoReturn:
+    """Raise a failing handler's exception as a HandlerError naming the handler and the event.
 
     trainbus's own errors (ConfigError, ...) already say what is wrong and what is allowed; they
-    keep their type, so callers can catch ConfigError, with a note saying where they came from.
+    keep their type, so callers can catch ConfigError, with a note saying where they came from. A
+    HandlerError from a nested dispatch passes unchanged.
     """
     if isinstance(exc, HandlerError):
-        return exc
+        raise exc
     if isinstance(exc, TrainbusError):
         if hasattr(exc, "add_note"):
             exc.add_note(f"raised by handler {record.name!r} at event {record.event.name}")
-        return exc
-    return HandlerError(record.name, record.event.name, exc)
+        raise exc
+    raise HandlerError(record.name, record.event.name, exc) from exc
