@@ -118,8 +118,8 @@ class EventBus:
     @trace.setter
     def trace(self, trace: list[tuple[str, str]] | None) -> None:
         self._trace = trace
-        for index in range(len(self._handlers)):
-            self._set_handlers(index, self._handlers[index])
+        for index, records in enumerate(self._handlers):
+            self._set_handlers(index, records)  # a lone handler is called directly only when untraced
 
     # -- registration -------------------------------------------------------------------------
     def on(

@@ -288,11 +288,10 @@ class Engine(Assembly):
 
         The window body below is the hot path, written out in this one frame on purpose: every
         Python operation here runs once per step, and a step of a small model is ~200 us. An
-        event's payload is only built when the event has handlers (``callers`` is the bus's live list
-        of per-event callers, None where nobody listens, so a handler registered mid-run is seen at
-        once). The occurrence
-        number filters see comes from counters the loop keeps anyway (``global_step + 1`` for
-        the window's step events, ``micro_steps`` for micro-batch events,
+        event's payload is only built when the event has handlers (``callers`` is the bus's live
+        list of per-event callers, None where nobody listens, so a handler registered mid-run is
+        seen at once). The occurrence number filters see comes from counters the loop keeps anyway
+        (``global_step + 1`` for the window's step events, ``micro_steps`` for micro-batch events,
         ``optimizer_steps_taken`` for OPTIMIZER_STEP), so nothing is counted per event. Nothing
         here reads a tensor's value: no host sync. The model and optimizer are read once per epoch,
         after EPOCH_START (a handler there may replace them); hooks are read again at any window

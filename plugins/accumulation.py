@@ -43,8 +43,7 @@ def count_items(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Count
     No labels: the samples (``batch_size_of``). Counts that depend on label values stay tensors, on
     every device, so no step reads a value back (no host sync); counts known from shapes are ints.
     """
-    # (inputs, labels) tuples, the usual case, read here: a call per micro-batch is measurable
-    labels = batch[-1] if type(batch) is tuple and len(batch) > 1 else get_labels(batch, label_names)
+    labels = get_labels(batch, label_names)
     if isinstance(labels, tuple):
         labels = labels[0]
     if not isinstance(labels, torch.Tensor):
@@ -178,22 +177,14 @@ def window_factors(counts: Sequence[Count]) -> list[float] | tuple[torch.Tensor,
     window without items. Otherwise, without reading any value back: ``(weights, has_items)``, a
     float64 tensor of the k weights and a bool tensor of which micro-batches have items.
     """
-    if counts and isinstance(counts[0], torch.Tensor):
-        try:
-            stacked = torch.stack(counts)  # type: ignore[arg-type]  # the common case: tensors on one device
-        except (TypeError, RuntimeError):  # ints among them, or several devices
-            stacked = _stack_on_one_device(counts)
-    elif all(isinstance(c, int) for c in counts):
+    if all(isinstance(c, int) for c in counts):
         total = sum(int(c) for c in counts)
         return [int(c) / total if total else 0.0 for c in counts]
-    else:
-        stacked = _stack_on_one_device(counts)
+    try:
+        stacked = torch.stack(counts)  # type: ignore[arg-type]  # the common case: tensors on one device
+    except (TypeError, RuntimeError):  # ints among them, or several devices: use the first tensor's
+        device = next(c.device for c in counts if isinstance(c, torch.Tensor))
+        stacked = torch.stack([torch.as_tensor(c, device=device) for c in counts])
     stacked = stacked.to(torch.float32 if stacked.device.type == "mps" else torch.float64)  # mps has no float64
     weights = stacked / stacked.sum().clamp_min(1.0)  # all-zero window: weights 0 instead of 0/0
     return weights, stacked > 0
-
-
-def _stack_on_one_device(counts: Sequence[Count]) -> torch.Tensor:
-    """Mixed int and tensor counts, or tensors on several devices: one tensor on the first tensor's device."""
-    device = next(c.device for c in counts if isinstance(c, torch.Tensor))
-    return torch.stack([torch.as_tensor(c, device=device) for c in counts])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import pytest
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from trainbus.engine import Control, Engine, Event
 from trainbus.hooks import Hooks
+from trainbus.hooks import forward as default_forward
+from trainbus.plugins.accumulation import GradientAccumulation
 
 
 def linear_engine(steps: int, **kwargs: Any) -> Engine:
@@ -115,11 +118,6 @@ def test_an_optimizer_replaced_at_epoch_start_is_used_for_that_epoch() -> None:
 
 @pytest.mark.parametrize("accumulate", [False, True])  # without LOSS handlers, and with one that scales
 def test_a_micro_batch_outputs_are_freed_before_the_next_forward(accumulate: bool) -> None:
-    import weakref
-
-    from trainbus.hooks import forward as default_forward
-    from trainbus.plugins.accumulation import GradientAccumulation
-
     previous: list[weakref.ref[torch.Tensor]] = []
     alive_at_forward: list[bool] = []
 
