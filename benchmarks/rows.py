@@ -40,7 +40,8 @@ def _raw_stack(batches: list[Any]) -> Run:
             counts = torch.stack([y.ne(-100).sum() for _, y in window]).double()
             weights = (counts / counts.sum().clamp_min(1.0)).float()
             for (x, y), weight, has_items in zip(window, weights.unbind(), (counts > 0).unbind()):
-                torch.where(has_items, loss_fn(model(x), y) * weight, 0.0).backward()
+                loss = torch.where(has_items, loss_fn(model(x), y) * weight, 0.0)
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
             optimizer.step()
             scheduler.step()

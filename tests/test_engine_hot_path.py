@@ -132,3 +132,22 @@ def test_a_micro_batch_outputs_are_freed_before_the_next_forward(accumulate: boo
     engine.fit()
     assert len(alive_at_forward) == 6 and not any(alive_at_forward)
     assert all(ref() is None for ref in previous)  # the last one too, before the optimizer step ends the run
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_loss_lives_until_the_next_forward_so_its_graph_nodes_are_reused(accumulate: bool) -> None:
+    # As in a loop written by hand: holding the backpropagated loss keeps the parameters'
+    # AccumulateGrad nodes alive, and the next forward reuses them instead of building new ones.
+    losses: list[weakref.ref[torch.Tensor]] = []
+    alive_at_forward: list[bool] = []
+
+    def forward(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if losses:
+            alive_at_forward.append(losses[-1]() is not None)
+        return default_forward(model, batch)
+
+    plugins = [GradientAccumulation(3)] if accumulate else []
+    engine = linear_engine(6, hooks=Hooks(forward=forward), plugins=plugins)
+    engine.on(Event.BACKWARD_END, lambda ev: losses.append(weakref.ref(ev.loss)))
+    engine.fit()
+    assert len(losses) == 6 and alive_at_forward == [True] * 5
