@@ -43,8 +43,10 @@ def count_items(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Count
     No labels: the samples (``batch_size_of``). Counts that depend on label values stay tensors, on
     every device, so no step reads a value back (no host sync); counts known from shapes are ints.
     """
-    labels = get_labels(batch, label_names)
-    if isinstance(labels, tuple):
+    # an (inputs, labels) tuple is read directly, as the default compute_loss reads it: this runs
+    # for every micro-batch, and the general lookup is one more call
+    labels = batch[1] if type(batch) is tuple and len(batch) == 2 else get_labels(batch, label_names)
+    if isinstance(labels, tuple):  # several label names: the first is what the loss averages over
         labels = labels[0]
     if not isinstance(labels, torch.Tensor):
         return int(batch_size_of(batch))
@@ -86,7 +88,7 @@ class GradientAccumulation(Plugin):
         self.count_fn = count_items
         self.micro_batches_seen = 0  # micro-batches of the windows this plugin has weighted
         self.micro_index = 0  # position in the current window (0 between optimizer steps)
-        self._factors: list[float] | tuple[torch.Tensor, torch.Tensor] = []
+        self._factors: list[float] | torch.Tensor = []
         # per micro-batch (weight, has_items) on the loss's device and dtype; built at the window's first LOSS
         self._per_micro: list[tuple[Any, Any]] | None = None
         self._sync_off = contextlib.ExitStack()
@@ -144,9 +146,10 @@ class GradientAccumulation(Plugin):
     def _weights_like(self, loss: torch.Tensor) -> list[tuple[Any, Any]]:
         """The window's factors as (weight, has_items) per micro-batch, on the loss's device and dtype."""
         factors = self._factors
-        if isinstance(factors, tuple):
-            weights, has_items = factors
-            return list(zip(weights.to(loss.device, loss.dtype).unbind(), has_items.to(loss.device).unbind()))
+        if isinstance(factors, torch.Tensor):
+            weights = factors.to(loss)  # the loss's device and dtype
+            # a weight is 0 exactly when its micro-batch has no items (the window's total is at least 1)
+            return list(zip(weights.unbind(), (weights > 0).unbind()))
         # the flag tensor is only made when some micro-batch has no items
         no_items = None if all(factors) else torch.zeros((), dtype=torch.bool, device=loss.device)
         return [(factor, True) if factor else (0.0, no_items) for factor in factors]
@@ -170,21 +173,20 @@ class GradientAccumulation(Plugin):
         self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
 
 
-def window_factors(counts: Sequence[Count]) -> list[float] | tuple[torch.Tensor, torch.Tensor]:
+def window_factors(counts: Sequence[Count]) -> list[float] | torch.Tensor:
     """``n_i / N`` for each micro-batch of a window.
 
     All counts known as ints (from shapes): a list of Python floats, 0 for every micro-batch of a
-    window without items. Otherwise, without reading any value back: ``(weights, has_items)``, a
-    float64 tensor of the k weights and a bool tensor of which micro-batches have items.
+    window without items. Otherwise, without reading any value back: a float64 tensor of the k
+    weights (float32 on mps, which has no float64), 0 where a micro-batch has no items.
     """
-    if all(isinstance(c, int) for c in counts):
-        total = sum(int(c) for c in counts)
-        return [int(c) / total if total else 0.0 for c in counts]
     try:
         stacked = torch.stack(counts)  # type: ignore[arg-type]  # the common case: tensors on one device
-    except (TypeError, RuntimeError):  # ints among them, or several devices: use the first tensor's
-        device = next(c.device for c in counts if isinstance(c, torch.Tensor))
+    except (TypeError, RuntimeError):  # ints among them, or tensors on several devices
+        if all(isinstance(c, int) for c in counts):
+            total = sum(int(c) for c in counts)
+            return [int(c) / total if total else 0.0 for c in counts]
+        device = next(c.device for c in counts if isinstance(c, torch.Tensor))  # the first tensor's
         stacked = torch.stack([torch.as_tensor(c, device=device) for c in counts])
-    stacked = stacked.to(torch.float32 if stacked.device.type == "mps" else torch.float64)  # mps has no float64
-    weights = stacked / stacked.sum().clamp_min(1.0)  # all-zero window: weights 0 instead of 0/0
-    return weights, stacked > 0
+    stacked = stacked.float() if stacked.is_mps else stacked.double()
+    return stacked / stacked.sum().clamp_min(1.0)  # all-zero window: weights 0 instead of 0/0
