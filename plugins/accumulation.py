@@ -148,7 +148,8 @@ class GradientAccumulation(Plugin):
         factors = self._factors
         if isinstance(factors, torch.Tensor):
             weights = factors.to(loss)  # the loss's device and dtype
-            # a weight is 0 exactly when its micro-batch has no items (the window's total is at least 1)
+            # a weight is 0 when its micro-batch has no items (the window's total is at least 1), or
+            # when it underflows in a low-precision loss dtype: that micro-batch contributes 0 either way
             return list(zip(weights.unbind(), (weights > 0).unbind()))
         # the flag tensor is only made when some micro-batch has no items
         no_items = None if all(factors) else torch.zeros((), dtype=torch.bool, device=loss.device)
