@@ -43,9 +43,7 @@ def count_items(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Count
     No labels: the samples (``batch_size_of``). Counts that depend on label values stay tensors, on
     every device, so no step reads a value back (no host sync); counts known from shapes are ints.
     """
-    # an (inputs, labels) tuple is read directly, as the default compute_loss reads it: this runs
-    # for every micro-batch, and the general lookup is one more call
-    labels = batch[1] if type(batch) is tuple and len(batch) == 2 else get_labels(batch, label_names)
+    labels = get_labels(batch, label_names)
     if isinstance(labels, tuple):  # several label names: the first is what the loss averages over
         labels = labels[0]
     if not isinstance(labels, torch.Tensor):

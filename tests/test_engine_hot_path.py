@@ -117,37 +117,27 @@ def test_an_optimizer_replaced_at_epoch_start_is_used_for_that_epoch() -> None:
 
 
 @pytest.mark.parametrize("accumulate", [False, True])  # without LOSS handlers, and with one that scales
-def test_a_micro_batch_outputs_are_freed_before_the_next_forward(accumulate: bool) -> None:
-    previous: list[weakref.ref[torch.Tensor]] = []
-    alive_at_forward: list[bool] = []
-
-    def forward(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        alive_at_forward.append(any(ref() is not None for ref in previous))
-        outputs = default_forward(model, batch)
-        previous.append(weakref.ref(outputs))
-        return outputs
-
-    plugins = [GradientAccumulation(3)] if accumulate else []
-    engine = linear_engine(6, hooks=Hooks(forward=forward), plugins=plugins)
-    engine.fit()
-    assert len(alive_at_forward) == 6 and not any(alive_at_forward)
-    assert all(ref() is None for ref in previous)  # the last one too, before the optimizer step ends the run
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_the_loss_lives_until_the_next_forward_so_its_graph_nodes_are_reused(accumulate: bool) -> None:
-    # As in a loop written by hand: holding the backpropagated loss keeps the parameters'
-    # AccumulateGrad nodes alive, and the next forward reuses them instead of building new ones.
+def test_at_the_next_forward_the_outputs_are_freed_and_the_loss_is_alive(accumulate: bool) -> None:
+    # As in a loop written by hand: the outputs (an LLM's logits can be gigabytes) go right after
+    # backward; the backpropagated loss stays, keeping the parameters' AccumulateGrad nodes alive,
+    # so the next forward reuses them instead of building new ones.
+    outputs_seen: list[weakref.ref[torch.Tensor]] = []
     losses: list[weakref.ref[torch.Tensor]] = []
-    alive_at_forward: list[bool] = []
+    outputs_alive: list[bool] = []
+    loss_alive: list[bool] = []
 
     def forward(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        outputs_alive.append(any(ref() is not None for ref in outputs_seen))
         if losses:
-            alive_at_forward.append(losses[-1]() is not None)
-        return default_forward(model, batch)
+            loss_alive.append(losses[-1]() is not None)
+        outputs = default_forward(model, batch)
+        outputs_seen.append(weakref.ref(outputs))
+        return outputs
 
     plugins = [GradientAccumulation(3)] if accumulate else []
     engine = linear_engine(6, hooks=Hooks(forward=forward), plugins=plugins)
     engine.on(Event.BACKWARD_END, lambda ev: losses.append(weakref.ref(ev.loss)))
     engine.fit()
-    assert len(losses) == 6 and alive_at_forward == [True] * 5
+    assert len(outputs_alive) == 6 and not any(outputs_alive)
+    assert all(ref() is None for ref in outputs_seen)  # the last one too, before the optimizer step ends the run
+    assert len(losses) == 6 and loss_alive == [True] * 5
