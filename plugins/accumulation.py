@@ -44,10 +44,10 @@ def count_items(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Count
     every device, so no step reads a value back (no host sync); counts known from shapes are ints.
     """
     labels = get_labels(batch, label_names)
-    if isinstance(labels, tuple):  # several label names: the first is what the loss averages over
-        labels = labels[0]
     if not isinstance(labels, torch.Tensor):
-        return int(batch_size_of(batch))
+        if not (isinstance(labels, tuple) and isinstance(labels[0], torch.Tensor)):
+            return int(batch_size_of(batch))
+        labels = labels[0]  # several label names: the first is what the loss averages over
     if labels.dtype in _CLASS_DTYPES:
         return labels.ne(IGNORE_INDEX).sum()
     return labels.numel()
@@ -84,8 +84,10 @@ class GradientAccumulation(Plugin):
             raise TypeError(f"count_items must be callable, got {count_items!r}")
         self.steps = steps
         self.count_fn = count_items
-        self.micro_batches_seen = 0  # micro-batches of the windows this plugin has weighted
-        self.micro_index = 0  # position in the current window (0 between optimizer steps)
+        # micro-batches of the windows this plugin has weighted: its position in the stream. No
+        # position inside a window is kept: checkpoints are taken between windows, and a window that
+        # fails is dropped whole (the engine zeroes its gradients), so a resume starts a window afresh
+        self.micro_batches_seen = 0
         self._factors: list[float] | torch.Tensor = []
         # per micro-batch (weight, has_items) on the loss's device and dtype; built at the window's first LOSS
         self._per_micro: list[tuple[Any, Any]] | None = None
@@ -118,7 +120,6 @@ class GradientAccumulation(Plugin):
     def step_start(self, event: StepStartEvent) -> None:
         if self._ddp_handles:
             self._sync_off.close()  # a failed window must not leave gradient sync switched off
-        self.micro_index = 0
         self.micro_batches_seen += len(event.batches)
         if self.count_fn is None:
             label_names = event.engine.label_names
@@ -129,17 +130,15 @@ class GradientAccumulation(Plugin):
         self._per_micro = None  # tensor weights are cast to the loss's device and dtype at the first LOSS
 
     def scale_loss(self, event: LossEvent) -> None:
-        i = event.micro_index
         per_micro = self._per_micro
         if per_micro is None:
             per_micro = self._per_micro = self._weights_like(event.loss)
-        weight, has_items = per_micro[i]
+        weight, has_items = per_micro[event.micro_index]
         if has_items is True:
             event.loss = event.loss * weight
         else:  # a flag tensor (no host read), or a micro-batch known to have no items
             # a micro-batch without items contributes a zero gradient, not its 0/0 mean loss
             event.loss = torch.where(has_items, event.loss * weight, 0.0)
-        self.micro_index = (i + 1) % event.window_size
 
     def _weights_like(self, loss: torch.Tensor) -> list[tuple[Any, Any]]:
         """The window's factors as (weight, has_items) per micro-batch, on the loss's device and dtype."""
@@ -164,11 +163,10 @@ class GradientAccumulation(Plugin):
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "micro_index": self.micro_index, "micro_batches_seen": self.micro_batches_seen}
+        return {"steps": self.steps, "micro_batches_seen": self.micro_batches_seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # a checkpoint is taken between windows; a different ``steps`` is the user's new choice
-        self.micro_index = int(state.get("micro_index", 0))
+        # a different ``steps`` is the user's new choice; "micro_index" in older checkpoints was always 0
         self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
 
 
