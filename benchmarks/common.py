@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,31 +41,21 @@ def raw_loop(
 
 
 def paired_ratio(
-    baselines: Sequence[Callable[[], None]], runs: Sequence[Callable[[], None]], rounds: int
+    baseline: Callable[[], None], run: Callable[[], None], rounds: int
 ) -> tuple[float, float, float, float]:
     """Median over rounds of time(run) / time(baseline), the two run back to back, order alternating.
-
-    ``baselines`` and ``runs`` are copies of the same two loops, each built on its own model and
-    optimizer; round ``r`` times pair ``(r // 2) % len(runs)``, so every pair runs in both orders and
-    the pairs take turns. Why copies: one built loop times a few percent faster or slower than an
-    identical second one (measured on a 2-core VM: 0.995-1.022 between four copies of the same raw
-    loop), an effect of where its tensors and objects happen to lie in memory, which stays with the
-    copy for the whole run. One pair would carry that luck into the ratio; several pairs average it.
 
     Returns (median ratio, interquartile range of the ratios, median baseline s, median run s).
     Times are this thread's CPU time; pairing adjacent runs cancels the slow drifts of a shared VM,
     which dwarf a few percent between medians taken apart. The IQR says how far to trust the median.
     """
-    if not baselines or len(baselines) != len(runs):
-        raise ValueError(f"need as many baselines as runs, at least one; got {len(baselines)} and {len(runs)}")
-    for fn in (*baselines, *runs):
-        fn()  # warm-up: lazy optimizer state, allocator caches
+    baseline()  # warm-up: lazy optimizer state, allocator caches
+    run()
     ratios: list[float] = []
     base_times: list[float] = []
     run_times: list[float] = []
     for round_ in range(rounds):
-        copy = (round_ // 2) % len(runs)
-        pair = ((baselines[copy], base_times), (runs[copy], run_times))
+        pair = ((baseline, base_times), (run, run_times))
         for fn, times in pair if round_ % 2 == 0 else pair[::-1]:
             start = time.thread_time()
             fn()

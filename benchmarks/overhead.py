@@ -1,13 +1,12 @@
 """Overhead of trainbus against a raw PyTorch loop on a tiny MLP (batch 8, fused AdamW, 1 thread).
 
-Usage: python -m benchmarks.overhead [--steps 250] [--rounds 200] [--copies 4]
+Usage: python -m benchmarks.overhead [--steps 250] [--rounds 200]
 
 Prints: the time ratio of each run against its baseline (median over paired, alternating rounds),
 host syncs per step, and the dispatch cost of one event with 0, 1 and 10 handlers. The plugin-stack
-and facade rows come from benchmarks/rows.py, each against a raw loop doing the same work. Every
-row times several copies of each loop, taking turns (see ``paired_ratio``). The first row times the
-raw loop against other copies of itself: how far from 1.000 the instrument reads on this machine
-(its bias and noise), to judge the other rows by.
+and facade rows come from benchmarks/rows.py, each against a raw loop doing the same work. The
+first row times the raw loop against a second copy of itself: how far from 1.000 the instrument
+reads on this machine (its bias and noise), to judge the other rows by.
 """
 
 from __future__ import annotations
@@ -100,30 +99,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=250, help="optimizer steps per timed run")
     parser.add_argument("--rounds", type=int, default=200, help="paired rounds per row")
-    parser.add_argument("--copies", type=int, default=4, help="copies of each loop, taking turns (see paired_ratio)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     batches = make_batches(args.steps)
-    n = args.copies
-    raw, raw_again = [raw_run(batches) for _ in range(n)], [raw_run(batches) for _ in range(n)]
-    rows_spec: list[tuple[str, str, list[Callable[[], None]], list[Callable[[], None]]]] = [
-        ("raw loop (A/A: the instrument)", "raw loop", raw, raw_again),
-        ("engine (no plugins)", "raw loop", raw, [engine_run(batches) for _ in range(n)]),
+    raw = raw_run(batches)
+    rows_spec: list[tuple[str, str, Callable[[], None], Callable[[], None]]] = [
+        ("raw loop (A/A: the instrument)", "raw loop", raw, raw_run(batches)),
+        ("engine (no plugins)", "raw loop", raw, engine_run(batches)),
     ]
-    extra = [extra_runs(batches) for _ in range(n)]  # name -> (run, baseline name), per copy
-    for name, (_, baseline) in extra[0].items():
+    extra = extra_runs(batches)
+    for name, (run, baseline) in extra.items():
         if baseline is not None:
-            rows_spec.append((name, baseline, [copy[baseline][0] for copy in extra], [copy[name][0] for copy in extra]))
+            rows_spec.append((name, baseline, extra[baseline][0], run))
     rows = []
     ratios: dict[str, float] = {}
-    for name, baseline_name, baselines, runs in rows_spec:
-        ratio, iqr, base_s, run_s = paired_ratio(baselines, runs, args.rounds)
+    for name, baseline_name, baseline, run in rows_spec:
+        ratio, iqr, base_s, run_s = paired_ratio(baseline, run, args.rounds)
         ratios[name] = ratio
         per_batch = [f"{base_s * 1e6 / args.steps:.1f}", f"{run_s * 1e6 / args.steps:.1f}"]
         rows.append([name, baseline_name, *per_batch, f"{ratio:.3f}", f"{iqr:.3f}"])
     print_table(
-        f"Time per batch: median of {args.rounds} paired rounds of {args.steps} batches, {n} copies of each loop "
-        "taking turns (tiny MLP, batch 8, fused AdamW, 1 thread)",
+        f"Time per batch: median of {args.rounds} paired rounds of {args.steps} batches "
+        "(tiny MLP, batch 8, fused AdamW, 1 thread)",
         ["run", "against", "baseline us/batch", "run us/batch", "ratio", "IQR"],
         rows,
     )

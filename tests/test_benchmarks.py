@@ -19,11 +19,9 @@ def test_engine_and_plugin_stack_read_no_tensor_value_per_step() -> None:
 
 def test_engine_trains_like_the_raw_loop_it_is_timed_against() -> None:
     batches = make_batches(6)
-    engines, raws = [engine_run(batches) for _ in range(2)], [raw_run(batches) for _ in range(2)]
-    ratio, iqr, base_s, run_s = paired_ratio(raws, engines, rounds=4)
+    engine, raw = engine_run(batches), raw_run(batches)
+    ratio, iqr, base_s, run_s = paired_ratio(raw, engine, rounds=2)
     assert ratio > 0 and iqr >= 0 and base_s > 0 and run_s > 0
-    with pytest.raises(ValueError, match="as many baselines as runs"):
-        paired_ratio(raws, engines[:1], rounds=2)
 
 
 def test_stack_and_its_raw_baseline_take_the_same_steps(monkeypatch: pytest.MonkeyPatch) -> None:
