@@ -3,10 +3,11 @@
 Usage: python -m benchmarks.overhead [--steps 250] [--rounds 200]
 
 Prints: the time ratio of each run against its baseline (median over paired, alternating rounds),
-host syncs per step, and the dispatch cost of one event with 0, 1 and 10 handlers. The plugin-stack
-and facade rows come from benchmarks/rows.py, each against a raw loop doing the same work. The
-first row times the raw loop against a second copy of itself: how far from 1.000 the instrument
-reads on this machine (its bias and noise), to judge the other rows by.
+host syncs per step, the work per batch counted (ATen ops and Python bytecodes, which do not jitter;
+see benchmarks/work.py), and the dispatch cost of one event with 0, 1 and 10 handlers. The
+plugin-stack and facade rows come from benchmarks/rows.py, each against a raw loop doing the same
+work. The first row times the raw loop against a second copy of itself: how far from 1.000 the
+instrument reads on this machine (its bias and noise), to judge the other rows by.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from benchmarks.common import make_batches, make_model, make_optimizer, paired_ratio, print_table, raw_loop
 from benchmarks.rows import extra_runs
+from benchmarks.work import work_per_batch
 from trainbus.engine import Engine, Event, EventBus
 from trainbus.engine.testing import count_syncs
 from trainbus.hooks import Hooks
@@ -135,6 +137,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "Scalar reads per step (TorchDispatchMode: _local_scalar_dense, is_nonzero, item; each a host sync on a GPU)",
         ["run", "reads/step"],
         sync_rows,
+    )
+    work_rows = []
+    for name, baseline_name, baseline, run in rows_spec[1:]:  # the timed runs; the A/A row would count alike
+        base_ops, base_codes = work_per_batch(baseline, args.steps)
+        run_ops, run_codes = work_per_batch(run, args.steps)
+        counts = [f"{base_ops:.2f}", f"{run_ops:.2f}", f"{base_codes:.0f}", f"{run_codes - base_codes:+.0f}"]
+        work_rows.append([name, baseline_name, *counts])
+    print_table(
+        "Work per batch of the timed runs, counted (no jitter): ATen ops, Python bytecodes",
+        ["run", "against", "baseline ops", "run ops", "baseline bytecodes", "run's extra bytecodes"],
+        work_rows,
     )
     print_table(
         "Engine bookkeeping per step, step functions replaced by no-ops (the loop's own cost)",

@@ -41,3 +41,28 @@ def test_stack_and_its_raw_baseline_take_the_same_steps(monkeypatch: pytest.Monk
 
 def test_cost_probes_run() -> None:
     assert bookkeeping_cost(steps=50) > 0 and dispatch_cost(1, fires=100) > 0
+
+
+def test_engine_and_stack_run_exactly_the_tensor_ops_of_their_raw_baselines() -> None:
+    """The counted half of the benchmark: the Python around the calls differs, the ATen work does not."""
+    from benchmarks.work import aten_ops
+
+    torch.set_num_threads(1)
+    batches = make_batches(9)  # 3 windows of the stack's 4, the last one short
+    for raw, framework in ((raw_run(batches), engine_run(batches)), (_raw_stack(batches), _engine_stack(batches))):
+        raw()
+        framework()  # warm-up: lazy optimizer state
+        raw_ops, framework_ops = aten_ops(raw), aten_ops(framework)
+        assert raw_ops and framework_ops == raw_ops
+
+
+def test_bytecode_count_grows_with_the_work_traced() -> None:
+    from benchmarks.work import bytecodes
+
+    def loop(n: int) -> None:
+        total = 0
+        for i in range(n):
+            total += i
+
+    one, two, three = (bytecodes(lambda n=n: loop(n)) for n in (10, 20, 30))
+    assert two - one == three - two > 0
