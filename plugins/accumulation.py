@@ -44,10 +44,10 @@ def count_items(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Count
     every device, so no step reads a value back (no host sync); counts known from shapes are ints.
     """
     labels = get_labels(batch, label_names)
+    if isinstance(labels, tuple):  # several label names: the first is what the loss averages over
+        labels = labels[0]
     if not isinstance(labels, torch.Tensor):
-        if not (isinstance(labels, tuple) and isinstance(labels[0], torch.Tensor)):
-            return int(batch_size_of(batch))
-        labels = labels[0]  # several label names: the first is what the loss averages over
+        return int(batch_size_of(batch))
     if labels.dtype in _CLASS_DTYPES:
         return labels.ne(IGNORE_INDEX).sum()
     return labels.numel()
