@@ -51,9 +51,9 @@ def _raw_stack(batches: list[Any]) -> Run:
 
 
 def _engine_stack(batches: list[Any]) -> Run:
-    from trainbus.plugins.accumulation import GradientAccumulation
-    from trainbus.plugins.clipping import GradientClipping
-    from trainbus.plugins.schedulers import LRScheduler
+    from trainbus.plugins.optimization.accumulation import GradientAccumulation
+    from trainbus.plugins.optimization.clipping import GradientClipping
+    from trainbus.plugins.optimization.schedulers import LRScheduler
 
     model = make_model()
     plugins = [GradientAccumulation(ACCUMULATION), GradientClipping(1.0), LRScheduler("linear")]
@@ -141,8 +141,8 @@ def extra_runs(batches: list[Any]) -> dict[str, tuple[Run, str | None]]:
     )
     runs["raw + DataLoader + clipping + schedule"] = (_raw_facade_baseline(batches), None)
     try:
-        from trainbus.plugins.arguments import TrainingArguments
-        from trainbus.plugins.trainer import Trainer
+        from trainbus.plugins.facade.arguments import TrainingArguments
+        from trainbus.plugins.facade.trainer import Trainer
     except ImportError:  # the facade is optional for this benchmark
         return runs
     runs["trainbus Trainer (defaults)"] = (

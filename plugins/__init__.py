@@ -14,12 +14,12 @@ from typing import Any
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # the facade
-    "arguments": ("TrainingArguments", "IntervalStrategy", "SaveStrategy"),
-    "trainer": ("Trainer",),
-    "composition": ("TrainOutput", "build_plugins", "set_seed"),
-    "callbacks": ("TrainerCallback", "CallbackAdapter", "EarlyStoppingCallback"),
+    "facade.arguments": ("TrainingArguments", "IntervalStrategy", "SaveStrategy"),
+    "facade.trainer": ("Trainer",),
+    "facade.composition": ("TrainOutput", "build_plugins", "set_seed"),
+    "facade.callbacks": ("TrainerCallback", "CallbackAdapter", "EarlyStoppingCallback"),
     # data
-    "data": (
+    "data.loading": (
         "default_data_collator",
         "DataCollatorWithPadding",
         "RemoveColumnsCollator",
@@ -30,32 +30,32 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "remove_unused_columns",
     ),
     # optimization
-    "optimizers": (
+    "optimization.optimizers": (
         "create_optimizer",
         "get_decay_parameter_names",
         "count_trainable_parameters",
         "OptimizerSetup",
         "OPTIMIZER_NAMES",
     ),
-    "schedulers": ("create_scheduler", "LRScheduler", "SCHEDULER_NAMES"),
-    "accumulation": ("GradientAccumulation", "count_items"),
-    "clipping": ("GradientClipping",),
-    "precision": ("MixedPrecision",),
-    "half_eval": ("HalfPrecisionEval",),
-    "regularization": ("LabelSmoothing", "NEFTune"),
-    "model_setup": ("GradientCheckpointing", "TorchCompile"),
+    "optimization.schedulers": ("create_scheduler", "LRScheduler", "SCHEDULER_NAMES"),
+    "optimization.accumulation": ("GradientAccumulation", "count_items"),
+    "optimization.clipping": ("GradientClipping",),
+    "optimization.precision": ("MixedPrecision",),
+    "evaluation.half_eval": ("HalfPrecisionEval",),
+    "optimization.regularization": ("LabelSmoothing", "NEFTune"),
+    "optimization.model_setup": ("GradientCheckpointing", "TorchCompile"),
     # evaluation
-    "evaluation": ("EvalCollector", "EvalPrediction", "PredictionOutput", "EvalLoopOutput"),
-    "metrics": ("IgniteMetrics",),
-    "best_model": ("BestMetric",),
-    "early_stopping": ("EarlyStopping",),
+    "evaluation.collector": ("EvalCollector", "EvalPrediction", "PredictionOutput", "EvalLoopOutput"),
+    "evaluation.metrics": ("IgniteMetrics",),
+    "control.best_model": ("BestMetric",),
+    "control.early_stopping": ("EarlyStopping",),
     # run control and observability
-    "flow": ("FlowControl",),
-    "logging": ("TrainLogger", "ConsoleSink"),
-    "progress": ("ProgressBars", "Printer"),
-    "sinks": ("JsonlSink", "CsvSink", "TensorBoardSink"),
+    "control.flow": ("FlowControl",),
+    "observability.logging": ("TrainLogger", "ConsoleSink"),
+    "observability.progress": ("ProgressBars", "Printer"),
+    "observability.sinks": ("JsonlSink", "CsvSink", "TensorBoardSink"),
     # checkpoints
-    "checkpoint": (
+    "checkpoints.checkpoint": (
         "Checkpointing",
         "LoadBestModelAtEnd",
         "save_checkpoint",

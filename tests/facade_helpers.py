@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from trainbus.plugins.arguments import TrainingArguments
+from trainbus.plugins.facade.arguments import TrainingArguments
 
 
 class Regressor(torch.nn.Module):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine, Event, Priority
 from trainbus.engine.testing import count_syncs
-from trainbus.plugins.accumulation import GradientAccumulation, count_items, window_factors
+from trainbus.plugins.optimization.accumulation import GradientAccumulation, count_items, window_factors
 
 V, D = 4, 3  # vocabulary (classes) and feature width of the token model
 

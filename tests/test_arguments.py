@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError
-from trainbus.plugins.arguments import UNSUPPORTED, IntervalStrategy, SaveStrategy, TrainingArguments
+from trainbus.plugins.facade.arguments import UNSUPPORTED, IntervalStrategy, SaveStrategy, TrainingArguments
 
 FIELDS = [f.name for f in dataclasses.fields(TrainingArguments)]
 #: fields whose default deliberately differs from transformers 5 (it has no warmup_ratio, for one)

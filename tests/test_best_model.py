@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine, Event, Priority
-from trainbus.plugins.best_model import (
+from trainbus.plugins.control.best_model import (
     BestMetric,
     check_metric_key,
     eval_prefixes,
@@ -21,7 +21,7 @@ from trainbus.plugins.best_model import (
     is_improvement,
     resolve_metric_key,
 )
-from trainbus.plugins.evaluation import EvalCollector, EvalPrediction
+from trainbus.plugins.evaluation.collector import EvalCollector, EvalPrediction
 
 X = torch.randn(8, 3)
 TRAIN = [(X[:4], torch.randn(4, 1)), (X[4:], torch.randn(4, 1))]

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainbus.engine import Event
-from trainbus.plugins.callbacks import CallbackAdapter, EarlyStoppingCallback, TrainerCallback
-from trainbus.plugins.trainer import Trainer
+from trainbus.plugins.facade.callbacks import CallbackAdapter, EarlyStoppingCallback, TrainerCallback
+from trainbus.plugins.facade.trainer import Trainer
 
 
 def hf_reference(

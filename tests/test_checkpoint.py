@@ -19,8 +19,8 @@ from hypothesis import strategies as hs
 
 from trainbus.engine import ConfigError, Engine, Event, HandlerError, Plugin, Priority, State
 from trainbus.engine.events import EvalEndEvent, SaveEvent, StepEndEvent
-from trainbus.plugins import checkpoint_io as cio
-from trainbus.plugins.checkpoint import (
+from trainbus.plugins.checkpoints import io as cio
+from trainbus.plugins.checkpoints.checkpoint import (
     Checkpointing,
     LoadBestModelAtEnd,
     latest_checkpoint,
@@ -292,7 +292,7 @@ def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch
     engine = make_engine(tmp_path, max_steps=2, save_strategy=None)
     engine.fit()
     save_checkpoint(engine, tmp_path)
-    import trainbus.plugins.checkpoint as ck
+    import trainbus.plugins.checkpoints.checkpoint as ck
 
     def no_rename(src: Any, dst: Any) -> None:
         raise OSError(errno.EIO, "I/O error")

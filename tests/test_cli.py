@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbus.plugins.cli import QUICK_EPOCHS, _clear_old_checkpoints, build_parser, main
+from trainbus.plugins.cli.demo import QUICK_EPOCHS, _clear_old_checkpoints, build_parser, main
 
 
 def test_quick_demo_trains_checkpoints_logs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,7 +65,7 @@ def test_a_command_is_required(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_module_help_runs_in_a_subprocess() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "trainbus.plugins.cli", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "trainbus.plugins.cli.demo", "--help"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     assert "usage: trainbus" in result.stdout and "demo" in result.stdout

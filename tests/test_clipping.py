@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine, Event, Priority
-from trainbus.plugins import clipping
-from trainbus.plugins.clipping import GradientClipping
-from trainbus.plugins.precision import MixedPrecision
+from trainbus.plugins.optimization import clipping
+from trainbus.plugins.optimization.clipping import GradientClipping
+from trainbus.plugins.optimization.precision import MixedPrecision
 
 
 def total_norm(model: torch.nn.Module, norm_type: float = 2.0) -> torch.Tensor:

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError
-from trainbus.plugins.data import (
+from trainbus.plugins.data.loading import (
     DataCollatorWithPadding,
     EpochSampler,
     RemoveColumnsCollator,
@@ -22,7 +22,7 @@ from trainbus.plugins.data import (
     resumable_epoch_iterator,
     signature_columns,
 )
-from trainbus.plugins.trainer import Trainer
+from trainbus.plugins.facade.trainer import Trainer
 
 
 def test_default_collator_dicts() -> None:

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine, Event, Priority
-from trainbus.plugins.early_stopping import EarlyStopping, early_stop_index
+from trainbus.plugins.control.early_stopping import EarlyStopping, early_stop_index
 
 X = torch.randn(6, 3)
 TRAIN = [(X[i : i + 2], torch.randn(2, 1)) for i in range(0, 6, 2)]  # 3 steps per epoch

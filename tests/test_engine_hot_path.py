@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from trainbus.engine import Control, Engine, Event
 from trainbus.hooks import Hooks
 from trainbus.hooks import forward as default_forward
-from trainbus.plugins.accumulation import GradientAccumulation
+from trainbus.plugins.optimization.accumulation import GradientAccumulation
 
 
 def linear_engine(steps: int, **kwargs: Any) -> Engine:

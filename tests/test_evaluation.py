@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine, Event, HandlerError
 from trainbus.engine.testing import SyncCounter
-from trainbus.plugins.evaluation import (
+from trainbus.plugins.evaluation.collector import (
     EvalCollector,
     EvalPrediction,
     PredictionOutput,
@@ -268,8 +268,9 @@ def test_padding_helpers() -> None:
 def test_docstring_examples_run() -> None:
     import doctest
 
-    from trainbus.plugins import best_model, early_stopping, evaluation, metrics
+    from trainbus.plugins.control import best_model, early_stopping
+    from trainbus.plugins.evaluation import collector, metrics
 
-    for module in (evaluation, metrics, best_model, early_stopping):
+    for module in (collector, metrics, best_model, early_stopping):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

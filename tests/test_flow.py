@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine, Event
-from trainbus.plugins.best_model import BestMetric
-from trainbus.plugins.flow import FlowControl
+from trainbus.plugins.control.best_model import BestMetric
+from trainbus.plugins.control.flow import FlowControl
 
 
 def reference(cfg: dict[str, Any], steps_per_epoch: int, max_steps: int) -> list[tuple[str, int]]:

@@ -91,6 +91,6 @@ def test_bad_full_eval_settings() -> None:
 def test_docstring_example_runs() -> None:
     import doctest
 
-    import trainbus.plugins.half_eval
+    import trainbus.plugins.evaluation.half_eval
 
-    assert doctest.testmod(trainbus.plugins.half_eval).failed == 0
+    assert doctest.testmod(trainbus.plugins.evaluation.half_eval).failed == 0

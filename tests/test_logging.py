@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from trainbus.engine import Engine, Event
 from trainbus.engine.testing import SyncCounter
-from trainbus.plugins.accumulation import GradientAccumulation
-from trainbus.plugins.flow import FlowControl
-from trainbus.plugins.logging import ConsoleSink, TrainLogger
-from trainbus.plugins.trainer import Trainer
+from trainbus.plugins.control.flow import FlowControl
+from trainbus.plugins.facade.trainer import Trainer
+from trainbus.plugins.observability.logging import ConsoleSink, TrainLogger
+from trainbus.plugins.optimization.accumulation import GradientAccumulation
 
 
 def make_engine(batches: int, log_every: int, k: int = 1, nan_at: set[int] | None = None) -> tuple[Engine, list[float]]:

@@ -19,8 +19,8 @@ from ignite.metrics import Accuracy, ConfusionMatrix, Fbeta, Loss, Precision, Re
 from sklearn.metrics import confusion_matrix, f1_score, precision_score, recall_score, top_k_accuracy_score
 
 from trainbus.engine import ConfigError, Engine
-from trainbus.plugins.evaluation import EvalCollector, EvalPrediction
-from trainbus.plugins.metrics import IgniteMetrics
+from trainbus.plugins.evaluation.collector import EvalCollector, EvalPrediction
+from trainbus.plugins.evaluation.metrics import IgniteMetrics
 
 N_CLASSES = 4
 torch.manual_seed(0)

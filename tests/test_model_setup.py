@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trainbus.engine import ConfigError, Engine
-from trainbus.plugins import model_setup
-from trainbus.plugins.model_setup import GradientCheckpointing, TorchCompile
+from trainbus.plugins.optimization import model_setup
+from trainbus.plugins.optimization.model_setup import GradientCheckpointing, TorchCompile
 
 
 def tiny_bert() -> torch.nn.Module:

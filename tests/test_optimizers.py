@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from trainbus.engine import ConfigError, Engine
-from trainbus.plugins import optimizers
-from trainbus.plugins.optimizers import (
+from trainbus.plugins.optimization import optimizers
+from trainbus.plugins.optimization.optimizers import (
     OPTIMIZER_NAMES,
     OptimizerSetup,
     count_parameters,

@@ -13,10 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority
-from trainbus.plugins import precision
-from trainbus.plugins.accumulation import GradientAccumulation
-from trainbus.plugins.precision import MixedPrecision
-from trainbus.plugins.schedulers import LRScheduler
+from trainbus.plugins.optimization import precision
+from trainbus.plugins.optimization.accumulation import GradientAccumulation
+from trainbus.plugins.optimization.precision import MixedPrecision
+from trainbus.plugins.optimization.schedulers import LRScheduler
 
 
 def make_engine(steps: int, plugins: list[Plugin], n: int = 8, lr: float = 0.05) -> Engine:

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine, Event
-from trainbus.plugins import regularization
-from trainbus.plugins.regularization import LabelSmoothing, NEFTune, label_smoothed_loss
+from trainbus.plugins.optimization import regularization
+from trainbus.plugins.optimization.regularization import LabelSmoothing, NEFTune, label_smoothed_loss
 
 
 @st.composite

@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from trainbus.engine import ConfigError, Engine, Event, HandlerError, Plugin, Priority
 from trainbus.engine.events import BatchStartEvent, LossEvent, StepEndEvent
-from trainbus.plugins.accumulation import GradientAccumulation
-from trainbus.plugins.checkpoint import Checkpointing, resume
-from trainbus.plugins.schedulers import LRScheduler
+from trainbus.plugins.checkpoints.checkpoint import Checkpointing, resume
+from trainbus.plugins.optimization.accumulation import GradientAccumulation
+from trainbus.plugins.optimization.schedulers import LRScheduler
 
 
 class EpochShuffle(Sampler[int]):

@@ -13,7 +13,7 @@ from hypothesis import strategies as hs
 
 from trainbus.engine import Engine
 from trainbus.engine.events import SaveEvent
-from trainbus.plugins.checkpoint import (
+from trainbus.plugins.checkpoints.checkpoint import (
     Checkpointing,
     checkpoints_to_keep,
     latest_checkpoint,

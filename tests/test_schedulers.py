@@ -14,8 +14,13 @@ from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority
 from trainbus.engine.testing import StopAtStep
-from trainbus.plugins import schedulers
-from trainbus.plugins.schedulers import SCHEDULER_NAMES, LRScheduler, create_scheduler, resolve_warmup_steps
+from trainbus.plugins.optimization import schedulers
+from trainbus.plugins.optimization.schedulers import (
+    SCHEDULER_NAMES,
+    LRScheduler,
+    create_scheduler,
+    resolve_warmup_steps,
+)
 
 BASE_LR = 0.5
 

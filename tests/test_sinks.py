@@ -17,9 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainbus.engine import ConfigError, Engine
-from trainbus.plugins.logging import SINKS
-from trainbus.plugins.sinks import CsvSink, JsonlSink, TensorBoardSink, rewrite_key, to_json_value
-from trainbus.plugins.trainer import Trainer
+from trainbus.plugins.facade.trainer import Trainer
+from trainbus.plugins.observability.logging import SINKS
+from trainbus.plugins.observability.sinks import CsvSink, JsonlSink, TensorBoardSink, rewrite_key, to_json_value
 
 
 def strict_json(line: str) -> dict[str, Any]:
@@ -222,7 +222,7 @@ def test_rewrite_key_follows_hf() -> None:
 def test_doctests() -> None:
     import doctest
 
-    from trainbus.plugins import sinks
+    from trainbus.plugins.observability import sinks
 
     result = doctest.testmod(sinks)
     assert result.attempted > 0 and result.failed == 0
@@ -248,8 +248,8 @@ def test_resume_from_checkpoint_appends_to_the_logs(tmp_path: Path) -> None:
 def test_report_to_all_takes_only_sinks_whose_library_is_installed(monkeypatch: Any, tmp_path: Any) -> None:
     import importlib.util
 
-    from trainbus.plugins.composition import _sinks
-    from trainbus.plugins.sinks import CsvSink, JsonlSink, TensorBoardSink
+    from trainbus.plugins.facade.composition import _sinks
+    from trainbus.plugins.observability.sinks import CsvSink, JsonlSink, TensorBoardSink
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

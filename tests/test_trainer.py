@@ -11,11 +11,11 @@ import torch
 from facade_helpers import Regressor, accuracy, quiet_args, regression_data, tiny_bert, token_data
 
 from trainbus.engine import ConfigError
-from trainbus.plugins.arguments import TrainingArguments
-from trainbus.plugins.callbacks import TrainerCallback
-from trainbus.plugins.evaluation import PredictionOutput
-from trainbus.plugins.flow import FlowControl
-from trainbus.plugins.trainer import Trainer, TrainOutput
+from trainbus.plugins.control.flow import FlowControl
+from trainbus.plugins.evaluation.collector import PredictionOutput
+from trainbus.plugins.facade.arguments import TrainingArguments
+from trainbus.plugins.facade.callbacks import TrainerCallback
+from trainbus.plugins.facade.trainer import Trainer, TrainOutput
 
 
 def test_quickstart_tiny_bert(tmp_path: Path) -> None:

@@ -18,29 +18,7 @@ from typing import Any
 from trainbus.engine import ConfigError
 from trainbus.engine.errors import check_positive_int, suggest
 
-
-class IntervalStrategy(str, enum.Enum):
-    """When logging / evaluation happen (HF ``IntervalStrategy``); members compare equal to their strings."""
-
-    NO = "no"
-    STEPS = "steps"
-    EPOCH = "epoch"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class SaveStrategy(str, enum.Enum):
-    """When checkpoints are written (HF ``SaveStrategy``): also ``"best"``, after a new best metric."""
-
-    NO = "no"
-    STEPS = "steps"
-    EPOCH = "epoch"
-    BEST = "best"
-
-    def __str__(self) -> str:
-        return self.value
-
+from ..control.strategies import IntervalStrategy, SaveStrategy, check_strategy
 
 #: HF fields trainbus does not implement, with HF's default: passing the default is accepted
 #: (it changes nothing), any other value raises. A hint names the trainbus way when there is one.
@@ -128,7 +106,7 @@ class TrainingArguments:
     HF's Trainer, change nothing in training.
 
     Example:
-        >>> from trainbus.plugins.arguments import TrainingArguments
+        >>> from trainbus.plugins.facade.arguments import TrainingArguments
         >>> args = TrainingArguments("out", eval_strategy="steps", logging_steps=10)
         >>> args.eval_steps, args.train_batch_size
         (10, 8)
@@ -398,15 +376,6 @@ def _checked_init(self: TrainingArguments, *args: Any, **kwargs: Any) -> None:
 
 
 TrainingArguments.__init__ = _checked_init  # type: ignore[method-assign]
-
-
-def check_strategy(name: str, value: Any, kind: type[enum.Enum]) -> Any:
-    """``kind(value)``, or a ConfigError naming ``name`` and the allowed strings."""
-    allowed = [m.value for m in kind]  # type: ignore[attr-defined]
-    raw = value.value if isinstance(value, enum.Enum) else value
-    if raw not in allowed:
-        raise ConfigError(f"{name} must be one of {allowed}, got {value!r}{suggest(str(raw), allowed)}")
-    return kind(raw)
 
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:

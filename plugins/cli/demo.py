@@ -118,11 +118,11 @@ def run_demo(output_dir: str, epochs: int, seed: int = 42, stream: TextIO | None
 
 
 def _demo(output_dir: str, epochs: int, seed: int, out: TextIO) -> dict[str, Any]:
-    from .arguments import TrainingArguments
-    from .composition import set_seed
-    from .early_stopping import EarlyStopping
-    from .progress import Printer
-    from .trainer import Trainer
+    from ..control.early_stopping import EarlyStopping
+    from ..facade.arguments import TrainingArguments
+    from ..facade.composition import set_seed
+    from ..facade.trainer import Trainer
+    from ..observability.progress import Printer
 
     started = time.perf_counter()
     data = digits_splits(seed)

@@ -43,7 +43,7 @@ class TrainLogger(Plugin):
         log_eval_metrics: log the metrics of each evaluation (HF's ``evaluate`` does).
 
     Example:
-        >>> from trainbus.plugins.logging import TrainLogger
+        >>> from trainbus.plugins.observability.logging import TrainLogger
         >>> logger = TrainLogger(nan_inf_filter=True)
     """
 

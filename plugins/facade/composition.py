@@ -16,21 +16,21 @@ import torch
 
 from trainbus.engine import ConfigError, Plugin
 
-from .accumulation import GradientAccumulation
-from .best_model import BestMetric, check_metric_key, expected_keys
-from .checkpoint import Checkpointing, LoadBestModelAtEnd
-from .clipping import GradientClipping
-from .data import ResumableData
-from .evaluation import EvalCollector, EvalPrediction
-from .flow import FlowControl
-from .half_eval import HalfPrecisionEval
-from .logging import SINKS, TrainLogger
-from .model_setup import GradientCheckpointing, TorchCompile
-from .precision import MixedPrecision
-from .progress import Printer, ProgressBars
-from .regularization import LabelSmoothing, NEFTune
-from .schedulers import LRScheduler
-from .sinks import SINKS as _SINKS  # noqa: F401  (importing sinks registers jsonl / csv / tensorboard)
+from ..checkpoints.checkpoint import Checkpointing, LoadBestModelAtEnd
+from ..control.best_model import BestMetric, check_metric_key, expected_keys
+from ..control.flow import FlowControl
+from ..data.loading import ResumableData
+from ..evaluation.collector import EvalCollector, EvalPrediction
+from ..evaluation.half_eval import HalfPrecisionEval
+from ..observability.logging import SINKS, TrainLogger
+from ..observability.progress import Printer, ProgressBars
+from ..observability.sinks import SINKS as _SINKS  # noqa: F401  (importing sinks registers jsonl / csv / tensorboard)
+from ..optimization.accumulation import GradientAccumulation
+from ..optimization.clipping import GradientClipping
+from ..optimization.model_setup import GradientCheckpointing, TorchCompile
+from ..optimization.precision import MixedPrecision
+from ..optimization.regularization import LabelSmoothing, NEFTune
+from ..optimization.schedulers import LRScheduler
 
 
 class TrainOutput(NamedTuple):
@@ -66,18 +66,14 @@ def set_seed(seed: int) -> None:
 
 if TYPE_CHECKING:
     from .arguments import TrainingArguments
-    from .trainer import Trainer
 
 
 def build_plugins(
-    trainer: Trainer, args: TrainingArguments, scheduler: Any, preprocess_logits_for_metrics: Any
+    trainer: Any, args: TrainingArguments, scheduler: Any, preprocess_logits_for_metrics: Any
 ) -> list[Plugin]:
     """The standard plugins for ``args``, in attach order (producers first, sinks last)."""
-    cls = type(trainer)
-    from .trainer import Trainer as Base
-
-    own_step = cls.training_step is not Base.training_step
-    own_loss = own_step or cls.compute_loss is not Base.compute_loss or trainer.compute_loss_func is not None
+    own_step = trainer.overrides("training_step")
+    own_loss = own_step or trainer.overrides("compute_loss") or trainer.compute_loss_func is not None
     plugins: list[Plugin] = [ResumableData()]
     if args.torch_compile:
         compile_kwargs = {"backend": args.torch_compile_backend, "mode": args.torch_compile_mode}
@@ -155,7 +151,7 @@ def _sinks(args: TrainingArguments) -> list[Plugin]:
     return [SINKS[n](args) for n in names if not (n == "console" and args.disable_tqdm)]
 
 
-def dry_eval_keys(trainer: Trainer) -> list[str]:
+def dry_eval_keys(trainer: Any) -> list[str]:
     """The metric keys an evaluation will produce, from one eval batch run through the eval step.
 
     Computes compute_metrics on that single batch to learn its key names; costs one forward pass.
@@ -186,6 +182,6 @@ def _to_numpy(value: Any) -> Any:
     return np.asarray(value)
 
 
-def check_metric_for_best_model(trainer: Trainer, metric: str) -> str:
+def check_metric_for_best_model(trainer: Any, metric: str) -> str:
     """Raise before training when ``metric`` is not among the keys a dry evaluation produces."""
     return check_metric_key(metric, dry_eval_keys(trainer))

@@ -120,7 +120,7 @@ class CallbackAdapter(Plugin):
         processing_class: passed to callbacks as ``processing_class``.
 
     Example:
-        >>> from trainbus.plugins.callbacks import CallbackAdapter, TrainerCallback
+        >>> from trainbus.plugins.facade.callbacks import CallbackAdapter, TrainerCallback
         >>> adapter = CallbackAdapter([TrainerCallback()])
     """
 
@@ -339,7 +339,7 @@ class EarlyStoppingCallback(TrainerCallback):
         early_stopping_threshold: the improvement that counts.
 
     Example:
-        >>> from trainbus.plugins.callbacks import EarlyStoppingCallback
+        >>> from trainbus.plugins.facade.callbacks import EarlyStoppingCallback
         >>> stopper = EarlyStoppingCallback(early_stopping_patience=2)
     """
 

@@ -26,7 +26,7 @@ class ProgressBars(Plugin):
         **tqdm_kwargs: passed to every bar (e.g. ``file=``, ``disable=``).
 
     Example:
-        >>> from trainbus.plugins.progress import ProgressBars
+        >>> from trainbus.plugins.observability.progress import ProgressBars
         >>> bars = ProgressBars(disable=True)
     """
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 
-from .arguments import IntervalStrategy, SaveStrategy, check_strategy
+from .strategies import IntervalStrategy, SaveStrategy, check_strategy
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine, EpochEndEvent, EvalEndEvent, EvalStartEvent, StepEndEvent, TrainStartEvent
@@ -32,7 +32,7 @@ class FlowControl(Plugin):
     strategy saves, as HF does, so a run always ends with an evaluation and a checkpoint.
 
     Example:
-        >>> from trainbus.plugins.flow import FlowControl
+        >>> from trainbus.plugins.control.flow import FlowControl
         >>> flow = FlowControl(logging_steps=10, eval_strategy="epoch", save_strategy="no")
     """
 

@@ -101,7 +101,7 @@ class JsonlSink(_FileSink):
         path: the ``.jsonl`` file (its folder is created on the first write).
 
     Example:
-        >>> from trainbus.plugins.sinks import JsonlSink
+        >>> from trainbus.plugins.observability.sinks import JsonlSink
         >>> sink = JsonlSink("out/logs.jsonl")
     """
 
@@ -123,7 +123,7 @@ class CsvSink(_FileSink):
         path: the ``.csv`` file (its folder is created on the first write).
 
     Example:
-        >>> from trainbus.plugins.sinks import CsvSink
+        >>> from trainbus.plugins.observability.sinks import CsvSink
         >>> sink = CsvSink("out/logs.csv")
     """
 
@@ -190,7 +190,7 @@ class TensorBoardSink(Plugin):
         ConfigError: tensorboard is not installed.
 
     Example:
-        >>> from trainbus.plugins.sinks import TensorBoardSink
+        >>> from trainbus.plugins.observability.sinks import TensorBoardSink
         >>> sink = TensorBoardSink("out/runs")
     """
 

@@ -23,7 +23,7 @@ import torch
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 from trainbus.engine.errors import suggest
 
-from .precision import DTYPES
+from ..optimization.precision import DTYPES
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine

@@ -29,8 +29,8 @@ import torch
 from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority, State
 from trainbus.engine.events import EpochEndEvent, EpochStartEvent, EvalEndEvent, Payload, SaveEvent, StepEndEvent
 
-from . import checkpoint_io as cio
-from .checkpoint_io import load_model_weights, save_model
+from . import io as cio
+from .io import load_model_weights, save_model
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -322,7 +322,7 @@ class Checkpointing(Plugin):
     Example:
         >>> import torch, tempfile
         >>> from trainbus.engine import Engine
-        >>> from trainbus.plugins.checkpoint import Checkpointing, list_checkpoints
+        >>> from trainbus.plugins.checkpoints.checkpoint import Checkpointing, list_checkpoints
         >>> model = torch.nn.Linear(2, 1)
         >>> out = tempfile.mkdtemp()
         >>> engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), max_steps=4,

@@ -36,7 +36,7 @@ from trainbus.engine import (
 )
 from trainbus.hooks import batch_size_of
 
-from .eval_tensors import ShardLayout, select_rows
+from .tensors import ShardLayout, select_rows
 
 __all__ = ["IgniteMetrics", "default_output_transform", "metric_values"]
 

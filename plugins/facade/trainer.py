@@ -21,12 +21,8 @@ from trainbus.engine import ConfigError, Engine, Plugin, State
 from trainbus.hooks import forward as default_forward
 from trainbus.hooks import get_labels, loss_from_outputs
 
-from . import checkpoint as ckpt
-from .arguments import TrainingArguments
-from .callbacks import CallbackAdapter
-from .composition import Computed as _Computed
-from .composition import TrainOutput, build_plugins, check_metric_for_best_model, set_seed
-from .data import (
+from ..checkpoints import checkpoint as ckpt
+from ..data.loading import (
     DataCollatorWithPadding,
     RemoveColumnsCollator,
     build_dataloader,
@@ -35,10 +31,14 @@ from .data import (
     remove_unused_columns,
     signature_columns,
 )
-from .evaluation import PredictionOutput, hf_prediction_step
-from .logging import TrainLogger
-from .optimizers import create_optimizer, fused_adamw_supported
-from .schedulers import LRScheduler, create_scheduler
+from ..evaluation.collector import PredictionOutput, hf_prediction_step
+from ..observability.logging import TrainLogger
+from ..optimization.optimizers import create_optimizer, fused_adamw_supported
+from ..optimization.schedulers import LRScheduler, create_scheduler
+from .arguments import TrainingArguments
+from .callbacks import CallbackAdapter
+from .composition import Computed as _Computed
+from .composition import TrainOutput, build_plugins, check_metric_for_best_model, set_seed
 
 
 class Trainer(Engine):
@@ -49,8 +49,8 @@ class Trainer(Engine):
 
     Example:
         >>> import torch
-        >>> from trainbus.plugins.trainer import Trainer
-        >>> from trainbus.plugins.arguments import TrainingArguments
+        >>> from trainbus.plugins.facade.trainer import Trainer
+        >>> from trainbus.plugins.facade.arguments import TrainingArguments
         >>> class Reg(torch.nn.Module):
         ...     def __init__(self):
         ...         super().__init__(); self.lin = torch.nn.Linear(2, 1)
@@ -177,6 +177,10 @@ class Trainer(Engine):
         self, model: torch.nn.Module, batch: Any, forward: Any, compute_loss: Any, label_names: Any
     ) -> tuple[Any, Any, Any]:
         return self.prediction_step(model, batch, self._prediction_loss_only, self._ignore_keys)
+
+    def overrides(self, method: str) -> bool:
+        """Whether this Trainer's class replaces ``Trainer.<method>`` (composition asks, to pick plugins)."""
+        return getattr(type(self), method) is not getattr(Trainer, method)
 
     # -- HF's overridable step methods ------------------------------------------------------------
     def compute_loss(

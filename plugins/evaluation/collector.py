@@ -38,7 +38,7 @@ from trainbus.engine import (
 from trainbus.engine.errors import check_positive_int
 from trainbus.hooks import batch_size_of
 
-from .eval_tensors import (
+from .tensors import (
     Nested,
     ShardLayout,
     gather_padded,

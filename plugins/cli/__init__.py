@@ -1,0 +1,5 @@
+"""The ``trainbus`` command line (``trainbus demo``)."""
+
+from .demo import main
+
+__all__ = ["main"]

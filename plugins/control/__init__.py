@@ -1,0 +1,1 @@
+"""Run control: when to log / evaluate / save (``FlowControl``), the best metric and early stopping."""

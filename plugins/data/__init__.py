@@ -1,0 +1,1 @@
+"""Data: collators, the seeded epoch sampler and resumable loaders (``ResumableData``)."""

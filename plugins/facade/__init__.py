@@ -1,0 +1,1 @@
+"""The Hugging Face style facade: ``TrainingArguments`` composed into plugins on a ``Trainer``; HF callbacks."""

@@ -1,0 +1,1 @@
+"""What shapes an optimizer step: optimizers, schedules, accumulation, clipping, precision, regularization."""
