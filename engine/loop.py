@@ -412,6 +412,7 @@ class Engine(Assembly):
 
     def _evaluate_one(self, data: Iterable[Any], prefix: str) -> dict[str, Any]:
         hooks, model = self.hooks, self.model
+        data = hooks.eval_data(data)
         was_training = model.training
         model.eval()
         try:
@@ -434,6 +435,7 @@ class Engine(Assembly):
     def predict(self, data: Iterable[Any]) -> Any:
         """Run the prediction loop; returns what PREDICT_END handlers put in ``payload.output``."""
         hooks, model = self.hooks, self.model
+        data = hooks.eval_data(data)
         was_training = model.training
         model.eval()
         try:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .batch import batch_size_of, get_labels, to_device
-from .data import epoch_iterator
+from .data import epoch_iterator, eval_data
 from .predict import prediction_step
 from .step import backward, compute_loss, forward, loss_from_outputs, loss_with, model_output, optimizer_step, zero_grad
 
@@ -38,6 +38,7 @@ class Hooks:
     zero_grad: Callable[[torch.optim.Optimizer], None] = zero_grad
     prediction_step: Callable[..., tuple[torch.Tensor | None, Any, Any]] = prediction_step
     epoch_iterator: Callable[[Iterable[Any], int, int], Iterator[Any]] = epoch_iterator
+    eval_data: Callable[[Iterable[Any]], Iterable[Any]] = eval_data
 
     @staticmethod
     def names() -> tuple[str, ...]:
@@ -50,6 +51,7 @@ __all__ = [
     "batch_size_of",
     "compute_loss",
     "epoch_iterator",
+    "eval_data",
     "forward",
     "get_labels",
     "loss_from_outputs",

@@ -23,3 +23,12 @@ def epoch_iterator(data: Iterable[Any], epoch: int, skip_batches: int) -> Iterat
     if skip_batches:
         return itertools.islice(iterator, skip_batches, None)
     return iterator
+
+
+def eval_data(data: Iterable[Any]) -> Iterable[Any]:
+    """The batches ``evaluate()`` / ``predict()`` iterate: ``data`` itself.
+
+    Called before EVAL_START / PREDICT_START, so the payload carries what is iterated; a plugin
+    replaces it to evaluate this process's share of the data (the distributed plugin does).
+    """
+    return data

@@ -44,6 +44,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "evaluation.half_eval": ("HalfPrecisionEval",),
     "optimization.regularization": ("LabelSmoothing", "NEFTune"),
     "optimization.model_setup": ("GradientCheckpointing", "TorchCompile"),
+    # processes
+    "distributed.plugin": ("Distributed",),
+    "distributed.sharding": ("ShardedBatchSampler", "shard_train_loader", "shard_eval_loader"),
     # evaluation
     "evaluation.collector": ("EvalCollector", "EvalPrediction", "PredictionOutput", "EvalLoopOutput"),
     "evaluation.metrics": ("IgniteMetrics",),

@@ -6,12 +6,15 @@ A checkpoint is a directory ``output_dir/checkpoint-{global_step}`` holding, wit
 - ``optimizer.json`` + ``optimizer.safetensors``: ``optimizer.state_dict()``;
 - ``plugins.json`` + ``plugins.safetensors``: every plugin's ``state_dict()`` (scheduler,
   scaler, early stopping, ...), keyed by plugin name;
-- ``rng.json`` + ``rng.safetensors``: Python, numpy, torch CPU (and CUDA) generator states;
+- ``rng.json`` + ``rng.safetensors``: Python, numpy, torch CPU (and CUDA) generator states; with
+  W processes one pair per rank, ``rng-{rank}.*`` (all written by rank 0, which gathers them);
 - ``trainer_state.json``: ``engine.state.to_json()``;
 - ``manifest.json``, written last: every file's size and sha256.
 
 It is written into ``checkpoint-{step}.tmp-{pid}``, fsynced and renamed, so a crash leaves
-either the complete checkpoint or a temporary directory that nothing reads (K3).
+either the complete checkpoint or a temporary directory that nothing reads (K3). Across processes
+only rank 0 writes (and rotates), every rank waits at a barrier until the checkpoint is complete,
+and a resume takes the checkpoint rank 0 chose, refusing one written by another number of processes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority, State
 from trainbus.engine.events import EpochEndEvent, EpochStartEvent, EvalEndEvent, Payload, SaveEvent, StepEndEvent
 
+from ..distributed.processes import barrier, broadcast_from_main, gather_to_main, rank, world_size
 from . import io as cio
 from .io import load_model_weights, save_model
 
@@ -148,13 +152,21 @@ def _pid_alive(pid: int) -> bool:
 
 
 # -- save -----------------------------------------------------------------------------------------
-def save_checkpoint(engine: Engine, output_dir: str | Path, *, info: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    engine: Engine,
+    output_dir: str | Path,
+    *,
+    info: dict[str, Any] | None = None,
+    rng_states: Sequence[dict[str, Any]] | None = None,
+) -> Path:
     """Write ``output_dir/checkpoint-{global_step}`` atomically and return its path.
 
     When this step is the best one (``state.best_global_step == state.global_step``), sets
     ``state.best_model_checkpoint`` to it before writing the state. On failure nothing is left
     that looks complete, the previous checkpoints are untouched and the state is unchanged.
+    ``rng_states`` holds every rank's RNG states in rank order (default: this process's only).
     """
+    rng_states = [cio.rng_state()] if rng_states is None else list(rng_states)
     if engine.optimizer is None:
         raise ConfigError("save_checkpoint needs engine.optimizer: a checkpoint without it cannot resume")
     state = engine.state
@@ -173,10 +185,12 @@ def save_checkpoint(engine: Engine, output_dir: str | Path, *, info: dict[str, A
         files = ["model.safetensors"]
         files += cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
         files += cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
-        files += cio.write_bundle(tmp, "rng", cio.rng_state())
+        for stem, rng in zip(rng_file_stems(len(rng_states)), rng_states, strict=True):
+            files += cio.write_bundle(tmp, stem, rng)
         cio.write_text(tmp / "trainer_state.json", state.to_json())
         files.append("trainer_state.json")
-        cio.write_manifest(tmp, files, {"global_step": state.global_step, **(info or {})})
+        processes = {"world_size": len(rng_states)} if len(rng_states) > 1 else {}
+        cio.write_manifest(tmp, files, {"global_step": state.global_step, **processes, **(info or {})})
         cio.fsync_path(tmp)
         _publish(tmp, final)
     except BaseException:
@@ -184,6 +198,11 @@ def save_checkpoint(engine: Engine, output_dir: str | Path, *, info: dict[str, A
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def rng_file_stems(processes: int) -> list[str]:
+    """The RNG bundles of a checkpoint written by ``processes`` processes: ``rng``, or ``rng-{rank}`` each."""
+    return ["rng"] if processes == 1 else [f"rng-{r}" for r in range(processes)]
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -233,7 +252,13 @@ def load_checkpoint(engine: Engine, path: str | Path) -> dict[str, Any]:
     Reads only JSON and safetensors files listed in the verified manifest.
     """
     directory = Path(path)
-    cio.read_manifest(directory, verify=True)
+    manifest = cio.read_manifest(directory, verify=True)
+    written_by = manifest.get("world_size", 1)
+    if written_by != world_size():
+        raise ConfigError(
+            f"checkpoint {directory} was written by {written_by} process(es) but this run has {world_size()}: "
+            f"resume it with {written_by} (each rank's RNG states and data share depend on it)"
+        )
     if engine.optimizer is None:
         raise ConfigError("resuming needs engine.optimizer: pass it to the Engine or attach the optimizer plugin first")
     cio.load_weights(
@@ -252,9 +277,10 @@ def load_checkpoint(engine: Engine, path: str | Path) -> dict[str, Any]:
     except ConfigError as exc:
         raise ConfigError(f"checkpoint file {state_path}: {exc}") from exc
     engine.load_state_dict({"state": state.to_dict(), "plugins": cio.read_bundle(directory, "plugins")})
-    rng = cio.read_bundle(directory, "rng")
+    stem = rng_file_stems(written_by)[rank()]
+    rng = cio.read_bundle(directory, stem)
     if not isinstance(rng, dict) or "python" not in rng or "torch" not in rng:
-        raise ConfigError(f"checkpoint file {directory / 'rng.json'} lacks the python/torch RNG states")
+        raise ConfigError(f"checkpoint file {directory / (stem + '.json')} lacks the python/torch RNG states")
     return rng
 
 
@@ -273,12 +299,26 @@ def resume(engine: Engine, checkpoint: str | Path | bool, output_dir: str | Path
     if checkpoint is True and output_dir is None:
         plugin = engine.get_plugin(Checkpointing)
         output_dir = plugin.output_dir if isinstance(plugin, Checkpointing) else None
-    path = resolve_checkpoint(checkpoint, output_dir)
+    path = chosen_by_main(lambda: resolve_checkpoint(checkpoint, output_dir))
     rng = load_checkpoint(engine, path)
     cio.set_rng_state(rng)
     _RestoreRng(engine, rng)
     logger.info("resumed from %s at global step %d", path, engine.state.global_step)
     return path
+
+
+def chosen_by_main(choose: Any) -> Path:
+    """``choose()`` run on rank 0 and its result (or its ConfigError) on every rank."""
+    outcome: tuple[str, str] = ("", "")
+    if rank() == 0:
+        try:
+            outcome = ("path", str(choose()))
+        except ConfigError as exc:
+            outcome = ("error", str(exc))
+    kind, value = broadcast_from_main(outcome)
+    if kind == "error":
+        raise ConfigError(value)
+    return Path(value)
 
 
 class _RestoreRng:
@@ -406,14 +446,23 @@ class Checkpointing(Plugin):
     def save(self, payload: SaveEvent) -> None:
         """The SAVE handler: write the checkpoint (main process only) and rotate."""
         engine = payload.engine
-        if not engine.state.is_world_process_zero:
-            return
-        info: dict[str, Any] = {}
-        if self.best_metric_key is not None:
-            info["metric"] = {"key": self.best_metric_key, "value": self.last_metric}
-        self.last_saved = save_checkpoint(engine, self.output_dir, info=info)
-        self._written = [path for path in self._written if path != self.last_saved] + [self.last_saved]
-        rotate_checkpoints(self.output_dir, self.save_total_limit, engine.state.best_model_checkpoint, self._written)
+        rng_states = gather_to_main(cio.rng_state())  # every rank's, on rank 0 (a collective: all ranks call it)
+        final = self.output_dir / f"{PREFIX}{engine.state.global_step}"
+        try:
+            if rank() == 0 and engine.state.is_world_process_zero:
+                info: dict[str, Any] = {}
+                if self.best_metric_key is not None:
+                    info["metric"] = {"key": self.best_metric_key, "value": self.last_metric}
+                save_checkpoint(engine, self.output_dir, info=info, rng_states=rng_states)
+                self._written = [path for path in self._written if path != final] + [final]
+                rotate_checkpoints(
+                    self.output_dir, self.save_total_limit, engine.state.best_model_checkpoint, self._written
+                )
+            elif engine.state.best_global_step == engine.state.global_step:
+                engine.state.best_model_checkpoint = str(final)  # as rank 0 records it
+        finally:
+            barrier()  # no rank reads (resume, best model) before the checkpoint is complete
+        self.last_saved = final
 
 
 class LoadBestModelAtEnd(Plugin):

@@ -19,6 +19,8 @@ import torch
 
 from trainbus.engine import ConfigError
 
+from ..distributed.processes import world_size
+
 Nested = Any  # a tensor / array, or a tuple, list or dict of Nested
 
 
@@ -127,13 +129,6 @@ def select_rows(data: Nested, index: torch.Tensor | slice) -> Nested:
 
 
 # -- distributed ---------------------------------------------------------------------------------
-def world_size() -> int:
-    """Processes in the default ``torch.distributed`` group (1 when it is not initialised)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return int(torch.distributed.get_world_size())
-    return 1
-
-
 def gather_padded(data: Nested, padding_index: int = -100) -> Nested:
     """Gather a nested batch output from every process (rank-major), padding every dim to the longest first.
 

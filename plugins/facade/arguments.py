@@ -54,12 +54,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "train_sampling_strategy": ("random", ""),
     "group_by_length": (False, ""),
     "length_column_name": ("length", ""),
-    "ddp_find_unused_parameters": (None, ""),
-    "ddp_bucket_cap_mb": (None, ""),
-    "ddp_broadcast_buffers": (None, ""),
-    "ddp_static_graph": (None, ""),
-    "ddp_backend": (None, "launch with `accelerate launch`"),
-    "ddp_timeout": (1800, ""),
     "fsdp": (None, "use accelerate's FSDP config"),
     "fsdp_config": (None, "use accelerate's FSDP config"),
     "deepspeed": (None, "use accelerate's DeepSpeed config"),
@@ -85,6 +79,10 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "fp16_backend": ("auto", ""),
     "save_safetensors": (True, "checkpoints are always safetensors (no pickle)"),
 }
+
+
+#: torch.distributed backends HF accepts for ddp_backend
+DDP_BACKENDS = ("nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl", "xccl")
 
 
 #: fields kept (scripts pass them) whose non-default behaviour trainbus does not implement yet
@@ -183,6 +181,12 @@ class TrainingArguments:
     data_seed: int | None = None
     full_determinism: bool = False
     use_cpu: bool = False
+    ddp_backend: str | None = None
+    ddp_timeout: int = 1800
+    ddp_find_unused_parameters: bool | None = None
+    ddp_bucket_cap_mb: int | None = None
+    ddp_broadcast_buffers: bool | None = None
+    ddp_static_graph: bool | None = None
     dataloader_drop_last: bool = False
     dataloader_num_workers: int = 0
     dataloader_pin_memory: bool = True
@@ -219,6 +223,7 @@ class TrainingArguments:
             raise ConfigError("at most one of fp16 and bf16 can be True, got both")
         if self.fp16_full_eval and self.bf16_full_eval:
             raise ConfigError("at most one of fp16_full_eval and bf16_full_eval can be True, got both")
+        self._check_processes()
         for name, default in NOT_YET.items():
             if getattr(self, name) != default:
                 raise ConfigError(
@@ -249,6 +254,23 @@ class TrainingArguments:
             raise ConfigError(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers!r}")
         if self.neftune_noise_alpha is not None and self.neftune_noise_alpha <= 0:
             raise ConfigError(f"neftune_noise_alpha must be > 0 or None, got {self.neftune_noise_alpha!r}")
+
+    def _check_processes(self) -> None:
+        backend = self.ddp_backend
+        if backend is not None and backend not in DDP_BACKENDS:
+            raise ConfigError(f"ddp_backend must be one of {list(DDP_BACKENDS)} or None, got {backend!r}")
+        if backend == "nccl":
+            import torch
+
+            if self.use_cpu or not torch.cuda.is_available():
+                where = "use_cpu=True" if self.use_cpu else "this machine has no CUDA GPU"
+                raise ConfigError(f"ddp_backend='nccl' needs CUDA GPUs, but {where}; use ddp_backend='gloo' on CPUs")
+        check_positive_int("ddp_timeout (seconds)", self.ddp_timeout)
+        if self.ddp_bucket_cap_mb is not None:
+            check_positive_int("ddp_bucket_cap_mb", self.ddp_bucket_cap_mb)
+        for name in ("ddp_find_unused_parameters", "ddp_broadcast_buffers", "ddp_static_graph"):
+            if getattr(self, name) not in (None, True, False):
+                raise ConfigError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
 
     def _check_steps(self) -> None:
         if self.eval_strategy == IntervalStrategy.STEPS and not self.eval_steps:
@@ -305,17 +327,44 @@ class TrainingArguments:
     def eval_batch_size(self) -> int:
         return self.per_device_eval_batch_size
 
+    # -- processes (accelerate's PartialState, set up on first use as HF does) -------------------
+    def _process_state(self) -> Any:
+        """accelerate's ``PartialState`` when launched on several processes (torchrun / accelerate launch), else None.
+
+        Made once, with ``ddp_backend`` and ``ddp_timeout``: it initialises the process group.
+        """
+        if "_processes" not in self.__dict__:
+            import datetime
+
+            import torch
+
+            launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+            if not launched and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                self.__dict__["_processes"] = None
+            else:
+                from accelerate import PartialState
+
+                cpu = self.use_cpu or not torch.cuda.is_available()
+                kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=self.ddp_timeout)}
+                if self.ddp_backend is not None:
+                    kwargs["backend"] = self.ddp_backend
+                self.__dict__["_processes"] = PartialState(cpu=cpu, **kwargs)
+        return self.__dict__["_processes"]
+
     @property
     def world_size(self) -> int:
-        return 1
+        state = self._process_state()
+        return 1 if state is None else int(state.num_processes)
 
     @property
     def process_index(self) -> int:
-        return 0
+        state = self._process_state()
+        return 0 if state is None else int(state.process_index)
 
     @property
     def local_process_index(self) -> int:
-        return 0
+        state = self._process_state()
+        return 0 if state is None else int(state.local_process_index)
 
     @property
     def n_gpu(self) -> int:
@@ -323,17 +372,22 @@ class TrainingArguments:
 
     @property
     def should_save(self) -> bool:
-        return True
+        """Whether this process writes checkpoints and models: the main process only (HF)."""
+        return self.process_index == 0
 
     @property
     def should_log(self) -> bool:
-        return True
+        """Whether this process logs: the main process, or each node's with log_on_each_node (HF)."""
+        return (self.local_process_index if self.log_on_each_node else self.process_index) == 0
 
     @property
     def device(self) -> Any:
         import torch
 
-        return torch.device("cuda" if torch.cuda.is_available() and not self.use_cpu else "cpu")
+        if not torch.cuda.is_available() or self.use_cpu:
+            return torch.device("cpu")
+        state = self._process_state()
+        return torch.device("cuda") if state is None else torch.device(state.device)  # this rank's GPU
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
         """Warmup steps as HF computes them: warmup_steps (a ratio when < 1), else warmup_ratio."""

@@ -74,7 +74,8 @@ def build_plugins(
     """The standard plugins for ``args``, in attach order (producers first, sinks last)."""
     own_step = trainer.overrides("training_step")
     own_loss = own_step or trainer.overrides("compute_loss") or trainer.compute_loss_func is not None
-    plugins: list[Plugin] = [ResumableData()]
+    distributed = getattr(trainer, "distributed", None)
+    plugins: list[Plugin] = [ResumableData()] if distributed is None else [distributed, ResumableData()]
     if args.torch_compile:
         compile_kwargs = {"backend": args.torch_compile_backend, "mode": args.torch_compile_mode}
         plugins.append(TorchCompile(**{k: v for k, v in compile_kwargs.items() if v is not None}))
@@ -84,12 +85,19 @@ def build_plugins(
         plugins.append(MixedPrecision("fp16" if args.fp16 else "bf16"))
     if args.fp16_full_eval or args.bf16_full_eval:
         plugins.append(HalfPrecisionEval("fp16" if args.fp16_full_eval else "bf16"))
-    if args.gradient_accumulation_steps > 1:
+    # across processes accumulation also normalises a single micro-batch by the items on all ranks
+    # (HF's average_tokens_across_devices), so uneven -100 padding still gives the 1-process gradient
+    across = distributed is not None and args.average_tokens_across_devices
+    if args.gradient_accumulation_steps > 1 or (across and not own_step):
         if own_step:
             # a custom training_step normalises its loss itself (HF's divides by the steps)
             trainer.accumulation_steps = args.gradient_accumulation_steps
         else:
-            plugins.append(GradientAccumulation(args.gradient_accumulation_steps))
+            plugins.append(
+                GradientAccumulation(
+                    args.gradient_accumulation_steps, across_processes=args.average_tokens_across_devices
+                )
+            )
     if args.max_grad_norm:
         plugins.append(GradientClipping(args.max_grad_norm))
     if args.label_smoothing_factor and not own_loss:

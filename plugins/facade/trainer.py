@@ -31,6 +31,8 @@ from ..data.loading import (
     remove_unused_columns,
     signature_columns,
 )
+from ..distributed.plugin import Distributed
+from ..distributed.processes import barrier
 from ..evaluation.collector import PredictionOutput, hf_prediction_step
 from ..observability.logging import TrainLogger
 from ..optimization.optimizers import create_optimizer, fused_adamw_supported
@@ -104,6 +106,18 @@ class Trainer(Engine):
         if args.eval_strategy != "no" and eval_dataset is None:
             raise ConfigError(f"eval_strategy={args.eval_strategy.value!r} needs an eval_dataset; none was given")
         self._model_for_columns = model
+        # several processes: DDP through accelerate, sharded loaders (made before the train loader,
+        # so the plan below counts global batches)
+        self.distributed = (
+            Distributed(
+                find_unused_parameters=args.ddp_find_unused_parameters,
+                bucket_cap_mb=args.ddp_bucket_cap_mb,
+                broadcast_buffers=args.ddp_broadcast_buffers,
+                static_graph=args.ddp_static_graph,
+            )
+            if args.world_size > 1
+            else None
+        )
         train_loader = self.get_train_dataloader() if train_dataset is not None else None
         max_epochs, max_steps = self._plan_length(train_loader)
         super().__init__(
@@ -263,7 +277,8 @@ class Trainer(Engine):
         if self.train_dataset is None:
             raise ConfigError("Trainer: training requires a train_dataset")
         args = self.args
-        return self._loader(self.train_dataset, args.train_batch_size, True, args.dataloader_drop_last)
+        loader = self._loader(self.train_dataset, args.train_batch_size, True, args.dataloader_drop_last)
+        return loader if self.distributed is None else self.distributed.shard_train(loader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -373,10 +388,29 @@ class Trainer(Engine):
             self._prediction_loss_only, self._ignore_keys = saved
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save a loadable final model (``save_pretrained`` for HF models) to output_dir."""
-        ckpt.save_model(self.model, output_dir or self.args.output_dir)
-        if self.processing_class is not None and callable(getattr(self.processing_class, "save_pretrained", None)):
-            self.processing_class.save_pretrained(output_dir or self.args.output_dir)
+        """Save a loadable final model (``save_pretrained`` for HF models) to output_dir; the main process writes."""
+        try:
+            if self.args.should_save:
+                ckpt.save_model(self.model, output_dir or self.args.output_dir)
+                processing_class = self.processing_class
+                if processing_class is not None and callable(getattr(processing_class, "save_pretrained", None)):
+                    processing_class.save_pretrained(output_dir or self.args.output_dir)
+        finally:
+            barrier()  # every rank returns once the model is on disk
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the main process of all machines (HF)."""
+        return self.args.process_index == 0
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the main process of its machine (HF)."""
+        return self.args.local_process_index == 0
+
+    @property
+    def model_wrapped(self) -> torch.nn.Module:
+        """The model as training runs it: its DDP wrapper across processes, else the model itself (HF)."""
+        ddp = None if self.distributed is None else self.distributed.ddp
+        return self.model if ddp is None else ddp
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Log ``logs`` (adds ``epoch``, appends to ``state.log_history``, calls on_log)."""

@@ -19,6 +19,8 @@ import torch
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 from trainbus.hooks import batch_size_of
 
+from ..distributed.processes import all_reduce_sum, collective_device, world_size
+
 if TYPE_CHECKING:
     from trainbus.engine import (
         Engine,
@@ -125,10 +127,13 @@ class TrainLogger(Plugin):
         # the grad norm of the latest step: step_outputs keeps it until the next STEP_START
         grad_norm = engine.step_outputs.get("grad_norm")
         extras: list[tuple[str, torch.Tensor]] = []
+        tokens = self._pending_tokens
+        if world_size() > 1 and not isinstance(tokens, torch.Tensor) and self.tokens != "no":
+            tokens = torch.tensor(float(tokens))  # summed over ranks with the losses
         for name, value in (
             ("grad_norm", grad_norm),
             ("learning_rate", self._lr),
-            ("tokens", self._pending_tokens),
+            ("tokens", tokens),
         ):
             if isinstance(value, torch.Tensor):
                 extras.append((name, value.detach().reshape(())))
@@ -136,18 +141,36 @@ class TrainLogger(Plugin):
         values: list[float] = []
         if tensors:
             device = tensors[0].device
-            values = torch.stack([t.to(device, torch.float64) for t in tensors]).tolist()
+            names = ["loss"] * len(window) + [name for name, _ in extras]
+            values = self._across_processes(torch.stack([t.to(device, torch.float64) for t in tensors]), names)
         read: dict[str, Any] = {"loss": self._filtered_sum(values[: len(window)], [step for _, step in window])}
         read.update(zip([name for name, _ in extras], values[len(window) :], strict=True))
         for name, value in (
             ("grad_norm", grad_norm),
             ("learning_rate", self._lr),
-            ("tokens", self._pending_tokens),
+            ("tokens", tokens),
         ):
             if value is not None and not isinstance(value, torch.Tensor):
                 read[name] = value
         self._flush_tokens(engine, read.pop("tokens", 0))
         return read
+
+    def _across_processes(self, local: torch.Tensor, names: list[str]) -> list[float]:
+        """The values to log, read in one transfer. Across processes, in one all-reduce: each loss (a
+        rank's share of a step's loss) averaged over ranks, the token count summed; grad norm and
+        learning rate are the same on every rank and stay local."""
+        processes = world_size()
+        if processes == 1:
+            return local.tolist()  # type: ignore[no-any-return]
+        summed = all_reduce_sum(local.to(collective_device()))
+        both = torch.cat([local.to(summed.device), summed]).tolist()
+        values, totals = both[: len(names)], both[len(names) :]
+        for i, name in enumerate(names):
+            if name == "loss":
+                values[i] = totals[i] / processes
+            elif name == "tokens":
+                values[i] = totals[i]
+        return values
 
     def _filtered_sum(self, losses: list[float], steps: list[int]) -> float:
         """The window's loss sum; with the filter, a non-finite loss adds the running mean (HF's rule)."""

@@ -7,8 +7,13 @@ rescales micro-batch ``i``'s loss by ``n_i / N``, where ``N`` counts the items o
 so the accumulated gradient is the gradient of the mean over all items of the window: exactly the
 gradient of one big batch. The last, partial window of an epoch is normalised by its own items.
 
-Under DDP (a model with ``no_sync``) the micro-batches before the last of a window run inside
-``no_sync()``, so gradients are all-reduced once per window.
+Across processes (``torch.distributed`` with W > 1 ranks, gradients averaged by DDP) ``N`` counts
+the window's items on every rank (one all-reduce of the counts per window, never per micro-batch;
+HF's ``average_tokens_across_devices``) and the weights are ``W * n_i / N``: DDP's average of the
+ranks' gradients is then the gradient of the mean over all items of the global window, however
+unevenly -100 padding falls across ranks. A model wrapped in DDP by the user (one with ``no_sync``)
+runs the micro-batches before the last of a window inside ``no_sync()``; the ``Distributed`` plugin
+does that for the model it wraps.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainbus.engine import Event, Plugin, Priority
+from trainbus.engine import ConfigError, Event, Plugin, Priority
 from trainbus.engine.errors import check_positive_int
 from trainbus.hooks import batch_size_of, get_labels
+
+from ..distributed.processes import all_reduce_sum, collective_device, world_size
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
@@ -64,6 +71,8 @@ class GradientAccumulation(Plugin):
         steps: micro-batches per optimizer step (HF ``gradient_accumulation_steps``).
         count_items: ``fn(batch) -> int | tensor``: the items the model's loss averages over;
             default ``count_items`` (non -100 integer labels, else label elements, else samples).
+        across_processes: with several processes, count the window's items on all ranks (HF's
+            ``average_tokens_across_devices``, default); False normalises each rank by its own items.
 
     Example:
         >>> import torch
@@ -78,12 +87,15 @@ class GradientAccumulation(Plugin):
 
     priority = Priority.PRODUCER
 
-    def __init__(self, steps: int, count_items: CountItems | None = None) -> None:
+    def __init__(self, steps: int, count_items: CountItems | None = None, *, across_processes: bool = True) -> None:
         check_positive_int("gradient accumulation steps", steps)
         if count_items is not None and not callable(count_items):
             raise TypeError(f"count_items must be callable, got {count_items!r}")
+        if not isinstance(across_processes, bool):
+            raise ConfigError(f"across_processes must be True or False, got {across_processes!r}")
         self.steps = steps
         self.count_fn = count_items
+        self.across_processes = across_processes
         # micro-batches of the windows this plugin has weighted: its position in the stream. No
         # position inside a window is kept: checkpoints are taken between windows, and a window that
         # fails is dropped whole (the engine zeroes its gradients), so a resume starts a window afresh
@@ -92,6 +104,7 @@ class GradientAccumulation(Plugin):
         # per micro-batch (weight, has_items) on the loss's device and dtype; built at the window's first LOSS
         self._per_micro: list[tuple[Any, Any]] | None = None
         self._sync_off = contextlib.ExitStack()
+        self._processes = 1
 
     def attach(self, engine: Engine) -> None:
         engine.accumulation_steps = self.steps
@@ -104,6 +117,7 @@ class GradientAccumulation(Plugin):
         # per-micro-batch handlers only where there is a gradient sync to skip (a DDP model,
         # possibly wrapped after attach): without them the hot path builds no payload per batch
         engine = event.engine
+        self._processes = world_size() if self.across_processes else 1  # read once per run, not per window
         if callable(getattr(engine.model, "no_sync", None)) and not self._ddp_handles:
             self._ddp_handles = [
                 self.on(engine, Event.BATCH_START, self.batch_start, priority=Priority.LAST),
@@ -126,7 +140,7 @@ class GradientAccumulation(Plugin):
             counts = [count_items(b, label_names) for b in event.batches]
         else:
             counts = [self.count_fn(b) for b in event.batches]
-        self._factors = window_factors(counts)
+        self._factors = window_factors(counts, self._processes)
         self._per_micro = None  # tensor weights are cast to the loss's device and dtype at the first LOSS
 
     def scale_loss(self, event: LossEvent) -> None:
@@ -170,13 +184,16 @@ class GradientAccumulation(Plugin):
         self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
 
 
-def window_factors(counts: Sequence[Count]) -> list[float] | torch.Tensor:
-    """``n_i / N`` for each micro-batch of a window.
+def window_factors(counts: Sequence[Count], num_processes: int = 1) -> list[float] | torch.Tensor:
+    """``n_i / N`` for each micro-batch of a window (``num_processes * n_i / N`` across processes).
 
-    All counts known as ints (from shapes): a list of Python floats, 0 for every micro-batch of a
-    window without items. Otherwise, without reading any value back: a float64 tensor of the k
-    weights (float32 on mps, which has no float64), 0 where a micro-batch has no items.
+    All counts known as ints (from shapes), one process: a list of Python floats, 0 for every
+    micro-batch of a window without items. Otherwise, without reading any value back: a float64
+    tensor of the k weights (float32 on mps, which has no float64), 0 where a micro-batch has no items.
+    Across processes ``N`` is the window's items on all ranks: one all-reduce of the local total.
     """
+    if num_processes > 1:
+        return _factors_across_processes(counts, num_processes)
     try:
         stacked = torch.stack(counts)  # type: ignore[arg-type]  # the common case: tensors on one device
     except (TypeError, RuntimeError):  # ints among them, or tensors on several devices
@@ -187,3 +204,10 @@ def window_factors(counts: Sequence[Count]) -> list[float] | torch.Tensor:
         stacked = torch.stack([torch.as_tensor(c, device=device) for c in counts])
     stacked = stacked.float() if stacked.is_mps else stacked.double()
     return stacked / stacked.sum().clamp_min(1.0)  # all-zero window: weights 0 instead of 0/0
+
+
+def _factors_across_processes(counts: Sequence[Count], num_processes: int) -> torch.Tensor:
+    device = collective_device()
+    local = torch.stack([torch.as_tensor(c, device=device) for c in counts]).double()
+    total = all_reduce_sum(local.sum())
+    return local * (num_processes / total.clamp_min(1.0))  # DDP divides the summed gradients by W

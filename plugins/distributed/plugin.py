@@ -1,0 +1,210 @@
+"""``Distributed``: data-parallel training for any Engine, on the processes accelerate set up.
+
+Launch the script with ``torchrun --nproc_per_node N`` or ``accelerate launch``; in a plain
+``python`` run there is one process and the plugin only sets the process flags. With N > 1:
+
+- accelerate wraps the model in ``DistributedDataParallel`` (its ``prepare_model``, with the DDP
+  options given here); ``engine.model`` stays the user's module, so checkpoints, evaluation and
+  callbacks see plain weights, and only the training forward goes through the DDP wrapper;
+- the micro-batches before the last of an accumulation window run inside ``no_sync()``: one
+  gradient all-reduce per optimizer step;
+- the train loader is replaced by this rank's share of each global batch, eval and test loaders
+  by a ``DistributedSampler`` shard (``sharding.py``);
+- ``state.is_world_process_zero`` / ``is_local_process_zero`` are set (again at every TRAIN_START,
+  since a resume loads rank 0's saved State), so only the main process writes.
+
+What the other features do across processes lives with them, on ``processes.py``: accumulation
+normalises by the items of the window on all ranks (one all-reduce of the counts per window), the
+logger averages the window's loss over ranks (one all-reduce per logging window), checkpoints are
+written by rank 0 with every rank's RNG state, and evaluation gathers in data-set order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.engine.errors import check_positive_int
+
+from .processes import world_size
+from .sharding import shard_eval_loader, shard_train_loader
+
+if TYPE_CHECKING:
+    from trainbus.engine import Engine
+    from trainbus.engine.events import BackwardEndEvent, BatchStartEvent, TrainStartEvent
+
+#: DDP options trainbus passes to accelerate's DistributedDataParallelKwargs (HF's ddp_* arguments)
+DDP_OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "find_unused_parameters": bool,
+    "bucket_cap_mb": int,
+    "broadcast_buffers": bool,
+    "static_graph": bool,
+}
+
+
+class Distributed(Plugin):
+    """Data-parallel training across the processes of a ``torchrun`` / ``accelerate launch`` job.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` to use; by default one is made (on the CPU when
+            the engine's device is the CPU or no GPU is present) with the DDP options below.
+        find_unused_parameters, bucket_cap_mb, broadcast_buffers, static_graph: passed to
+            ``DistributedDataParallel`` through accelerate (None keeps torch's default).
+        global_batch_size: optional check: the samples per optimizer step you mean (per-device
+            batch x processes x accumulation steps); a mismatch fails at TRAIN_START.
+
+    Compose ``GradientAccumulation`` (any number of steps, 1 included) for losses normalised by the
+    items of the whole step on all ranks; without it each rank's mean loss is averaged, as plain DDP
+    does, which equals the one-process loss only when ranks hold equal item counts.
+    """
+
+    priority = Priority.FIRST
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        *,
+        find_unused_parameters: bool | None = None,
+        bucket_cap_mb: int | None = None,
+        broadcast_buffers: bool | None = None,
+        static_graph: bool | None = None,
+        global_batch_size: int | None = None,
+    ) -> None:
+        given = dict(
+            find_unused_parameters=find_unused_parameters,
+            bucket_cap_mb=bucket_cap_mb,
+            broadcast_buffers=broadcast_buffers,
+            static_graph=static_graph,
+        )
+        for name, value in given.items():
+            kind = DDP_OPTIONS[name]
+            if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+                raise ConfigError(f"{name} must be {getattr(kind, '__name__', kind)} or None, got {value!r}")
+        if bucket_cap_mb is not None:
+            check_positive_int("bucket_cap_mb", bucket_cap_mb)
+        if global_batch_size is not None:
+            check_positive_int("global_batch_size", global_batch_size)
+        self.ddp_options = {k: v for k, v in given.items() if v is not None}
+        self.global_batch_size = global_batch_size
+        self._accelerator = accelerator
+        self.num_processes = 1
+        self.process_index = 0
+        self.model: torch.nn.Module | None = None  # the user's module
+        self.ddp: torch.nn.Module | None = None  # its DDP wrapper (N > 1)
+        self._sync_off = contextlib.ExitStack()
+        self._per_batch: list[Any] = []
+
+    # -- accelerate ------------------------------------------------------------------------------
+    def accelerator_for(self, engine: Engine) -> Any:
+        if self._accelerator is None:
+            from accelerate import Accelerator
+            from accelerate.utils import DistributedDataParallelKwargs
+
+            device = engine.device
+            cpu = not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu")
+            handlers = [DistributedDataParallelKwargs(**self.ddp_options)] if self.ddp_options else []
+            self._accelerator = Accelerator(cpu=cpu, kwargs_handlers=handlers)
+        return self._accelerator
+
+    # -- attach ----------------------------------------------------------------------------------
+    def attach(self, engine: Engine) -> None:
+        accelerator = self.accelerator_for(engine)
+        self.num_processes = int(accelerator.num_processes)
+        self.process_index = int(accelerator.process_index)
+        self._is_local_main = bool(accelerator.is_local_main_process)
+        if self.num_processes != world_size():
+            raise ConfigError(
+                f"accelerate sees {self.num_processes} processes but torch.distributed has {world_size()}: "
+                "launch with torchrun or `accelerate launch` and let accelerate set up the process group"
+            )
+        self._set_flags(engine)
+        self.on(engine, Event.TRAIN_START, self.train_start)
+        if self.num_processes == 1:
+            return
+        self.model = engine.model
+        self.ddp = accelerator.prepare_model(engine.model)
+        if engine.train_data is not None:
+            engine.train_data = self.shard_train(engine.train_data)
+        self.wrap_hook(engine, "forward", self._through_ddp)
+        self.wrap_hook(engine, "eval_data", self._sharded_eval)
+
+    def detach(self, engine: Engine) -> None:
+        self._sync_off.close()
+        super().detach(engine)
+        self._per_batch = []
+
+    def _set_flags(self, engine: Engine) -> None:
+        engine.state.is_world_process_zero = self.process_index == 0
+        engine.state.is_local_process_zero = self._is_local_main
+
+    # -- data ------------------------------------------------------------------------------------
+    def shard_train(self, loader: Any) -> Any:
+        """This rank's train loader (the identity in one process)."""
+        if self.num_processes == 1:
+            return loader
+        return shard_train_loader(loader, self.num_processes, self.process_index)
+
+    def shard_eval(self, loader: Any) -> Any:
+        """This rank's eval / test loader (the identity in one process)."""
+        if self.num_processes == 1:
+            return loader
+        return shard_eval_loader(loader, self.num_processes, self.process_index)
+
+    def _sharded_eval(self, inner: Callable[[Iterable[Any]], Iterable[Any]]) -> Callable[[Iterable[Any]], Any]:
+        return lambda data: self.shard_eval(inner(data))
+
+    # -- the training step -----------------------------------------------------------------------
+    def _through_ddp(self, inner: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.nn.Module, Any], Any]:
+        model, ddp = self.model, self.ddp
+
+        def forward(m: torch.nn.Module, batch: Any) -> Any:
+            # training forwards go through DDP (its backward hooks all-reduce the gradients);
+            # evaluation uses the plain module, as HF does: no collective per eval batch
+            if m is model and m.training and torch.is_grad_enabled():
+                return inner(ddp, batch)  # type: ignore[arg-type]
+            return inner(m, batch)
+
+        return forward
+
+    def train_start(self, event: TrainStartEvent) -> None:
+        engine = event.engine
+        self._set_flags(engine)  # a fresh State, or rank 0's State loaded by a resume
+        if self.num_processes == 1:
+            return
+        self._check_global_batch(engine)
+        for handle in self._per_batch:
+            handle.remove()
+        self._per_batch = []
+        if engine.accumulation_steps > 1:  # per-micro-batch handlers only where there is a sync to skip
+            self._per_batch = [
+                self.on(engine, Event.BATCH_START, self._batch_start, priority=Priority.LAST),
+                self.on(engine, Event.BACKWARD_END, self._backward_end, priority=Priority.FIRST),
+            ]
+
+    def _check_global_batch(self, engine: Engine) -> None:
+        if self.global_batch_size is None:
+            return
+        per_device = getattr(engine.train_data, "batch_sampler", None)
+        size = getattr(getattr(per_device, "global_batches", None), "batch_size", None)
+        made = None if size is None else int(size) * engine.accumulation_steps
+        if made != self.global_batch_size:
+            per = None if size is None else int(size) // self.num_processes
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} cannot be made from per-device batch {per} x "
+                f"{self.num_processes} processes x {engine.accumulation_steps} accumulation steps (= {made})"
+            )
+
+    def _batch_start(self, event: BatchStartEvent) -> None:
+        self._sync_off.close()  # a failed window must not leave gradient sync switched off
+        if event.micro_index < event.window_size - 1 and self.ddp is not None:
+            self._sync_off.enter_context(self.ddp.no_sync())  # type: ignore[operator]
+
+    def _backward_end(self, event: BackwardEndEvent) -> None:
+        self._sync_off.close()
+
+
+__all__ = ["DDP_OPTIONS", "Distributed"]

@@ -1,0 +1,83 @@
+"""The few collectives trainbus features need, over the default ``torch.distributed`` group.
+
+Every helper is a no-op (or the identity) in one process, so features call them unconditionally.
+Under ``torch.distributed`` with more than one process trainbus assumes data-parallel training:
+every rank runs the same loop on its shard, gradients are averaged across ranks (DDP), and what is
+written to disk is written by rank 0.
+
+These are torch.distributed's own collectives, not accelerate's ``gather_object`` & co: accelerate's
+need its ``PartialState`` to have set up the group, and a user who called ``init_process_group``
+and wrapped the model in DDP themselves must get the same exact losses and checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    """Processes in the default ``torch.distributed`` group (1 when it is not initialised)."""
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 when it is not initialised)."""
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return 0
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The element-wise sum of ``tensor`` over every process, as a new tensor (no host read)."""
+    if world_size() == 1:
+        return tensor
+    total = tensor.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
+
+
+def barrier() -> None:
+    """Wait until every process gets here (a checkpoint is complete before anyone reads it)."""
+    if world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_from_main(value: Any) -> Any:
+    """Rank 0's ``value`` on every process (a path, a decision); the value travels pickled in memory only."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_main(value: Any) -> list[Any] | None:
+    """Every rank's ``value`` in rank order on rank 0; None on the other ranks."""
+    if world_size() == 1:
+        return [value]
+    gathered: list[Any] | None = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def collective_device() -> torch.device:
+    """Where tensors for the default group's collectives live: the current GPU under NCCL, else the CPU."""
+    if world_size() > 1 and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+__all__ = [
+    "all_reduce_sum",
+    "barrier",
+    "broadcast_from_main",
+    "collective_device",
+    "gather_to_main",
+    "rank",
+    "world_size",
+]
