@@ -1,0 +1,285 @@
+"""Two gloo processes, launched as users launch them, against one process with the same global batch.
+
+The jobs live in ``dist_jobs.py``: a float64 token model with uneven -100 padding across ranks,
+trained by the Trainer (torchrun) and by a hand-composed Engine (accelerate launch). One process
+runs per-device batch 8, two processes per-device batch 4.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch as st
+import torch
+
+from trainbus.engine import ConfigError, Engine
+from trainbus.plugins import Checkpointing, Distributed, TrainingArguments
+from trainbus.plugins.checkpoints.checkpoint import load_checkpoint
+from trainbus.plugins.distributed.sharding import ShardedBatchSampler, shard_eval_loader, shard_train_loader, share
+
+JOBS = Path(__file__).with_name("dist_jobs.py")
+TOL = 1e-10
+TIMED = ("runtime", "per_second")  # log keys that measure time, not training
+
+
+def launch(job: str, out: Path, processes: int, launcher: str = "torchrun", expect_failure: bool = False) -> None:
+    """Run ``dist_jobs.py JOB OUT`` as a user would: plain python, torchrun or accelerate launch."""
+    out.mkdir(parents=True, exist_ok=True)
+    if processes == 1:
+        command = [sys.executable, str(JOBS)]
+    elif launcher == "torchrun":
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={processes}",
+            str(JOBS),
+        ]
+    else:
+        command = [
+            # --multi_gpu is accelerate's torchrun-based launcher; on a machine without GPUs its processes
+            # use gloo on the CPU (--cpu alone starts one process unless MPI is set up)
+            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}",
+            "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={_free_port()}",
+            str(JOBS),
+        ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([*command, job, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    if expect_failure:
+        assert done.returncode != 0, f"{job} was meant to fail:\n{done.stdout[-3000:]}"
+        assert "simulated crash" in done.stdout + done.stderr
+        return
+    assert done.returncode == 0, (
+        f"{job} on {processes} process(es) failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    )
+
+
+def _free_port() -> int:
+    from dist_helpers import free_port
+
+    return free_port()
+
+
+def results(out: Path, job: str, rank: int = 0) -> dict[str, Any]:
+    return json.loads((out / f"{job}-rank{rank}.json").read_text())  # type: ignore[no-any-return]
+
+
+def assert_close(a: Any, b: Any, where: str = "") -> None:
+    """Nested equality with floats within TOL (and NaN equal to NaN)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a) == sorted(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            assert_close(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_close(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=0, abs_tol=TOL) or (math.isnan(a) and math.isnan(b)), f"{where}: {a} != {b}"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def untimed(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in entry.items() if not any(t in k for t in TIMED)} for entry in log_history]
+
+
+def checkpoint_tensors(run: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """``checkpoint-N/{model,optimizer}.safetensors`` of a run, by checkpoint and file."""
+    found = {}
+    for path in sorted(run.glob("checkpoint-*")):
+        for name in ("model", "optimizer"):
+            found[f"{path.name}/{name}"] = st.load_file(str(path / f"{name}.safetensors"))
+    return found
+
+
+def assert_same_checkpoints(one: Path, two: Path, exact: bool = False) -> None:
+    a, b = checkpoint_tensors(one), checkpoint_tensors(two)
+    assert sorted(a) == sorted(b) and a, f"checkpoints differ: {sorted(a)} vs {sorted(b)}"
+    for name in a:
+        assert sorted(a[name]) == sorted(b[name]), name
+        for key, tensor in a[name].items():
+            if exact:
+                assert torch.equal(tensor, b[name][key]), f"{name}:{key}"
+            else:
+                torch.testing.assert_close(tensor, b[name][key], rtol=0, atol=TOL, msg=f"{name}:{key}")
+
+
+# -- the Trainer under torchrun ------------------------------------------------------------------------
+def test_trainer_on_two_processes_equals_one_process(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch("facade", one, 1)
+    launch("facade", two, 2)
+    single, ranks = results(one, "facade"), [results(two, "facade", r) for r in range(2)]
+    assert single["world_size"] == 1 and [r["world_size"] for r in ranks] == [2, 2]
+    assert [r["flags"] for r in ranks] == [[True, True], [False, False]]
+    for name, expected in single["configs"].items():
+        for rank in ranks:  # SGD and AdamW, with and without accumulation, uneven -100 padding
+            got = rank["configs"][name]
+            assert_close(got["params"], expected["params"], f"{name} params")
+            assert_close(untimed(got["log_history"]), untimed(expected["log_history"]), f"{name} logs")
+            assert_close(got["training_loss"], expected["training_loss"], f"{name} training_loss")
+        assert_same_checkpoints(one / "runs" / name, two / "runs" / name)
+        for rank in range(2):
+            assert (two / "runs" / name / "checkpoint-2" / f"rng-{rank}.json").is_file()
+        assert (two / "runs" / name / "model.safetensors").is_file()
+    # evaluate() and predict() on 101 samples: data-set order, padding duplicates dropped, exact metrics
+    for rank in ranks:
+        assert_close(untimed([rank["evaluate"]]), untimed([single["evaluate"]]), "evaluate")
+        assert_close(rank["predict"]["label_ids"], single["predict"]["label_ids"], "label_ids")
+        assert_close(rank["predict"]["predictions"], single["predict"]["predictions"], "predictions")
+        assert_close(untimed([rank["predict"]["metrics"]]), untimed([single["predict"]["metrics"]]), "predict")
+    assert len(single["predict"]["label_ids"]) == 101
+    # only rank 0 writes under output_dir, and every checkpoint file was written once
+    assert ranks[1]["writes"] == []
+    written = [path for event, path in ranks[0]["writes"] if event in ("open", "safetensors.save_file")]
+    assert written and len(written) == len(set(written))
+
+
+# -- resume in a fresh launch ----------------------------------------------------------------------------
+def test_two_process_resume_in_a_fresh_launch_is_bit_exact(tmp_path: Path) -> None:
+    from dist_jobs import CRASH_AT_STEP, TRAIN_SIZE
+
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    launch("facade", full, 2)  # the uninterrupted runs (adamw-k2 among them)
+    launch("crash", broken, 2, expect_failure=True)
+    kept = sorted(p.name for p in (broken / "resumed").glob("checkpoint-*"))
+    assert kept == ["checkpoint-2"]  # the newest complete checkpoint before the crash
+    launch("resume", broken, 2)
+    reference = results(full, "facade")["configs"]["adamw-k2"]
+    for rank in range(2):
+        resumed = results(broken, "resume", rank)
+        assert resumed["params"] == reference["params"]  # bit for bit
+        # every step's logged loss, grad_norm and lr; the closing summary's train_loss averages the steps
+        # this launch trained (as a resumed HF run's does), so it is left out
+        steps = [entry for entry in resumed["log_history"] if "loss" in entry]
+        assert steps == [entry for entry in reference["log_history"] if "loss" in entry]
+        assert [e["step"] for e in steps] == [1, 2, 3, 4]
+        # steps 3 and 4 = the second epoch's 3 per-device batches; the first epoch was skipped, not replayed
+        assert CRASH_AT_STEP == 3 and resumed["forwards"] == math.ceil(TRAIN_SIZE / 8)
+    assert_same_checkpoints(full / "runs" / "adamw-k2", broken / "resumed", exact=True)
+
+
+# -- a hand-composed Engine under accelerate launch --------------------------------------------------------
+def test_engine_with_distributed_plugin_equals_one_process(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch("engine", one, 1)
+    launch("engine", two, 2, launcher="accelerate")
+    single = results(one, "engine")
+    for rank in range(2):
+        got = results(two, "engine", rank)
+        for steps in ("k1", "k2"):
+            assert_close(got[steps]["params"], single[steps]["params"], f"{steps} params")
+            assert_close(untimed(got[steps]["log_history"]), untimed(single[steps]["log_history"]), f"{steps} logs")
+        assert "global_batch_size=12 cannot be made from per-device batch 4 x 2 processes" in got["global_batch_error"]
+
+
+# -- in one process: sharding arithmetic and bad set-ups ------------------------------------------------
+@pytest.mark.parametrize("size", range(0, 11))
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_shares_partition_each_batch_in_order(size: int, replicas: int) -> None:
+    batch = list(range(100, 100 + size))
+    shares = [share(batch, replicas, r) for r in range(replicas)]
+    assert [i for part in shares for i in part] == batch
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_sharded_loader_gives_each_rank_its_share_of_the_global_batch() -> None:
+    from trainbus.plugins import EpochSampler
+
+    data = list(range(20))
+    loaders = [
+        shard_train_loader(torch.utils.data.DataLoader(data, batch_size=4, sampler=EpochSampler(20, seed=3)), 2, r)
+        for r in range(2)
+    ]
+    one = list(torch.utils.data.DataLoader(data, batch_size=8, sampler=EpochSampler(20, seed=3)))
+    for loader in loaders:
+        assert isinstance(loader.batch_sampler, ShardedBatchSampler) and len(loader) == len(one) == 3
+    for epoch in (0, 1):
+        for loader in loaders:
+            loader.batch_sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        one_epoch = list(torch.utils.data.DataLoader(data, batch_size=8, sampler=_seeded(20, 3, epoch)))
+        for joint, a, b in zip(one_epoch, *loaders):
+            assert torch.cat([a, b]).tolist() == joint.tolist()
+    assert shard_train_loader(loaders[0], 2, 0) is loaders[0]  # already sharded
+
+
+def _seeded(size: int, seed: int, epoch: int) -> Any:
+    from trainbus.plugins import EpochSampler
+
+    sampler = EpochSampler(size, seed)
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+def test_a_last_batch_the_processes_cannot_share_fails_before_training() -> None:
+    loader = torch.utils.data.DataLoader(list(range(17)), batch_size=4)  # 17 = 2 x 8 + 1
+    with pytest.raises(ConfigError, match=r"17 samples in global batches of 8 .* last batch of 1"):
+        shard_train_loader(loader, 2, 0)
+    dropping = torch.utils.data.DataLoader(list(range(17)), batch_size=4, drop_last=True)
+    assert len(shard_train_loader(dropping, 2, 1)) == 2
+    with pytest.raises(ConfigError, match="map-style dataset"):
+        shard_train_loader([torch.zeros(2)], 2, 0)
+    with pytest.raises(ConfigError, match="own batch_sampler"):
+        shard_train_loader(torch.utils.data.DataLoader(range(8), batch_sampler=[[0, 1]]), 2, 0)
+
+
+def test_eval_shards_use_the_distributed_sampler_layout() -> None:
+    loader = torch.utils.data.DataLoader(list(range(101)), batch_size=4)
+    shards = [shard_eval_loader(loader, 2, r) for r in range(2)]
+    assert [len(s.sampler) for s in shards] == [51, 51]  # type: ignore[arg-type]
+    assert next(iter(shards[1])).tolist() == [1, 3, 5, 7]
+    assert shard_eval_loader(shards[0], 2, 0) is shards[0]
+
+
+def test_nccl_without_gpus_fails_at_construction() -> None:
+    with pytest.raises(ConfigError, match="ddp_backend='nccl' needs CUDA GPUs"):
+        TrainingArguments("out", ddp_backend="nccl", use_cpu=True)
+    with pytest.raises(ConfigError, match=r"ddp_backend must be one of \['nccl', 'gloo'"):
+        TrainingArguments("out", ddp_backend="glooo")
+    with pytest.raises(ConfigError, match="ddp_timeout"):
+        TrainingArguments("out", ddp_timeout=0)
+    args = TrainingArguments("out", ddp_find_unused_parameters=True, ddp_bucket_cap_mb=10, ddp_backend="gloo")
+    assert (args.world_size, args.process_index, args.local_process_index) == (1, 0, 0)
+    assert args.should_save and args.should_log
+
+
+def test_bad_ddp_options_fail_at_construction() -> None:
+    with pytest.raises(ConfigError, match="bucket_cap_mb must be int"):
+        Distributed(bucket_cap_mb="25")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="find_unused_parameters must be bool"):
+        Distributed(find_unused_parameters=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        Distributed(global_batch_size=0)
+
+
+def test_one_process_plugin_only_sets_the_flags() -> None:
+    model = torch.nn.Linear(2, 1)
+    data = [(torch.randn(4, 2), torch.randn(4, 1))] * 2
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=data, max_epochs=1,
+                    loss_fn=torch.nn.MSELoss(), plugins=[Distributed()])  # fmt: skip
+    assert engine.train_data is data and engine.model is model
+    assert engine.fit().global_step == 2 and engine.state.is_world_process_zero
+
+
+def test_a_checkpoint_from_another_world_size_is_refused(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), max_steps=1, loss_fn=torch.nn.MSELoss(),
+                    train_data=[(torch.ones(2, 2), torch.ones(2, 1))],
+                    plugins=[Checkpointing(tmp_path, save_strategy="steps", save_steps=1)])  # fmt: skip
+    engine.fit()
+    manifest = tmp_path / "checkpoint-1" / "manifest.json"
+    written = json.loads(manifest.read_text())
+    written["world_size"] = 2  # as a 2-process run records it
+    manifest.write_text(json.dumps(written))
+    with pytest.raises(ConfigError, match=r"written by 2 process\(es\) but this run has 1: resume it with 2"):
+        load_checkpoint(engine, tmp_path / "checkpoint-1")
