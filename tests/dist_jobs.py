@@ -22,7 +22,11 @@ GLOBAL_BATCH = 8
 #: (name, optimizer, learning rate, accumulation steps)
 CONFIGS = [("sgd-k1", "sgd", 0.5, 1), ("adamw-k1", "adamw_torch", 0.05, 1), ("sgd-k2", "sgd", 0.5, 2),
            ("adamw-k2", "adamw_torch", 0.05, 2)]  # fmt: skip
+#: the resumed run: adamw-k1 (3 steps per epoch, checkpoints every 2) dies at step 3, so it resumes
+#: from checkpoint-2, in the middle of the first epoch
+RESUMED = "adamw-k1"
 CRASH_AT_STEP = 3
+DDP_OPTIONS = {"ddp_find_unused_parameters": True, "ddp_broadcast_buffers": False, "ddp_bucket_cap_mb": 10}
 
 
 class TokenModel(torch.nn.Module):
@@ -123,10 +127,12 @@ class WriteTrace:
 
 
 # -- jobs --------------------------------------------------------------------------------------------
-def trainer_for(run_dir: Path, optim: str, lr: float, steps: int, callbacks: list[Any] | None = None) -> Any:
+def trainer_for(
+    run_dir: Path, optim: str, lr: float, steps: int, callbacks: list[Any] | None = None, **more: Any
+) -> Any:
     from trainbus.plugins import Trainer, TrainingArguments
 
-    args = TrainingArguments(
+    args = TrainingArguments(**more,
         output_dir=str(run_dir), per_device_train_batch_size=per_device_batch(),
         per_device_eval_batch_size=per_device_batch(), num_train_epochs=2, learning_rate=lr, optim=optim,
         gradient_accumulation_steps=steps, logging_steps=1, save_strategy="steps", save_steps=2,
@@ -142,8 +148,18 @@ def facade(out: Path) -> dict[str, Any]:
     trace = WriteTrace(out / "runs")
     results: dict[str, Any] = {"world_size": None, "configs": {}}
     for name, optim, lr, steps in CONFIGS:
-        trainer = trainer_for(out / "runs" / name, optim, lr, steps)
+        # DDP options change no number: the first run passes some through to check they reach DDP
+        options = DDP_OPTIONS if name == CONFIGS[0][0] else {}
+        trainer = trainer_for(out / "runs" / name, optim, lr, steps, **options)
         output = trainer.train()
+        if options:
+            wrapped = trainer.model_wrapped
+            results["ddp"] = {
+                "wrapper": type(wrapped).__name__,
+                "find_unused_parameters": getattr(wrapped, "find_unused_parameters", None),
+                "broadcast_buffers": getattr(wrapped, "broadcast_buffers", None),
+                "bucket_bytes_cap": getattr(wrapped, "bucket_bytes_cap", None),
+            }
         trainer.save_model()
         results["world_size"] = trainer.args.world_size
         results["flags"] = [trainer.state.is_world_process_zero, trainer.state.is_local_process_zero]
@@ -192,9 +208,13 @@ def forward_counter() -> Any:
     return CountForwards()
 
 
+def _resumed_config() -> tuple[str, float, int]:
+    return next((optim, lr, steps) for name, optim, lr, steps in CONFIGS if name == RESUMED)
+
+
 def crash(out: Path) -> dict[str, Any]:
-    """The adamw-k2 run, dying at step CRASH_AT_STEP (after checkpoint-2)."""
-    trainer = trainer_for(out / "resumed", "adamw_torch", 0.05, 2, callbacks=[CrashAt(CRASH_AT_STEP)])
+    """The RESUMED run, dying at step CRASH_AT_STEP (after checkpoint-2)."""
+    trainer = trainer_for(out / "resumed", *_resumed_config(), callbacks=[CrashAt(CRASH_AT_STEP)])
     trainer.train()
     raise AssertionError("the crash callback did not fire")
 
@@ -202,7 +222,7 @@ def crash(out: Path) -> dict[str, Any]:
 def resume(out: Path) -> dict[str, Any]:
     """The crashed run resumed from its newest checkpoint in a fresh launch."""
     counter = forward_counter()
-    trainer = trainer_for(out / "resumed", "adamw_torch", 0.05, 2, callbacks=[counter])
+    trainer = trainer_for(out / "resumed", *_resumed_config(), callbacks=[counter])
     output = trainer.train(resume_from_checkpoint=True)
     return {
         "params": params_of(trainer.model),

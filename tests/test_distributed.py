@@ -122,6 +122,13 @@ def test_trainer_on_two_processes_equals_one_process(tmp_path: Path) -> None:
     single, ranks = results(one, "facade"), [results(two, "facade", r) for r in range(2)]
     assert single["world_size"] == 1 and [r["world_size"] for r in ranks] == [2, 2]
     assert [r["flags"] for r in ranks] == [[True, True], [False, False]]
+    # the ddp_* arguments reach DDP through accelerate
+    bucket = 10 * 1024 * 1024
+    assert ranks[0]["ddp"] == {
+        "wrapper": "DistributedDataParallel", "find_unused_parameters": True, "broadcast_buffers": False,
+        "bucket_bytes_cap": bucket,
+    }  # fmt: skip
+    assert single["ddp"]["wrapper"] == "TokenModel"
     for name, expected in single["configs"].items():
         for rank in ranks:  # SGD and AdamW, with and without accumulation, uneven -100 padding
             got = rank["configs"][name]
@@ -147,15 +154,15 @@ def test_trainer_on_two_processes_equals_one_process(tmp_path: Path) -> None:
 
 # -- resume in a fresh launch ----------------------------------------------------------------------------
 def test_two_process_resume_in_a_fresh_launch_is_bit_exact(tmp_path: Path) -> None:
-    from dist_jobs import CRASH_AT_STEP, TRAIN_SIZE
+    from dist_jobs import CRASH_AT_STEP, RESUMED, TRAIN_SIZE
 
     full, broken = tmp_path / "full", tmp_path / "broken"
-    launch("facade", full, 2)  # the uninterrupted runs (adamw-k2 among them)
+    launch("facade", full, 2)  # the uninterrupted runs (RESUMED among them)
     launch("crash", broken, 2, expect_failure=True)
     kept = sorted(p.name for p in (broken / "resumed").glob("checkpoint-*"))
     assert kept == ["checkpoint-2"]  # the newest complete checkpoint before the crash
     launch("resume", broken, 2)
-    reference = results(full, "facade")["configs"]["adamw-k2"]
+    reference = results(full, "facade")["configs"][RESUMED]
     for rank in range(2):
         resumed = results(broken, "resume", rank)
         assert resumed["params"] == reference["params"]  # bit for bit
@@ -163,10 +170,10 @@ def test_two_process_resume_in_a_fresh_launch_is_bit_exact(tmp_path: Path) -> No
         # this launch trained (as a resumed HF run's does), so it is left out
         steps = [entry for entry in resumed["log_history"] if "loss" in entry]
         assert steps == [entry for entry in reference["log_history"] if "loss" in entry]
-        assert [e["step"] for e in steps] == [1, 2, 3, 4]
-        # steps 3 and 4 = the second epoch's 3 per-device batches; the first epoch was skipped, not replayed
-        assert CRASH_AT_STEP == 3 and resumed["forwards"] == math.ceil(TRAIN_SIZE / 8)
-    assert_same_checkpoints(full / "runs" / "adamw-k2", broken / "resumed", exact=True)
+        assert [e["step"] for e in steps] == list(range(1, 7))
+        # resumed at step 2 of 6 (one batch per step): 4 training forwards, the first two batches skipped
+        assert CRASH_AT_STEP == 3 and resumed["forwards"] == 2 * math.ceil(TRAIN_SIZE / 8) - 2
+    assert_same_checkpoints(full / "runs" / RESUMED, broken / "resumed", exact=True)
 
 
 # -- a hand-composed Engine under accelerate launch --------------------------------------------------------
