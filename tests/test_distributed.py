@@ -290,3 +290,24 @@ def test_a_checkpoint_from_another_world_size_is_refused(tmp_path: Path) -> None
     manifest.write_text(json.dumps(written))
     with pytest.raises(ConfigError, match=r"written by 2 process\(es\) but this run has 1: resume it with 2"):
         load_checkpoint(engine, tmp_path / "checkpoint-1")
+
+
+# -- the README's script -------------------------------------------------------------------------------
+def test_readme_train_script_runs_under_torchrun(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    script = next(block for block in readme.split("```python\n") if block.startswith("# train.py"))
+    (tmp_path / "train.py").write_text(script.split("```")[0])
+    outputs = {}
+    for processes in (1, 2):
+        command = [sys.executable, "train.py"] if processes == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = [line for line in done.stdout.splitlines() if line.startswith("processes=")]
+        assert len(lines) == 1, done.stdout  # printed by rank 0 only
+        outputs[processes] = lines[0]
+    assert outputs[1].startswith("processes=1") and outputs[2].startswith("processes=2")
+    losses = [float(outputs[n].split("eval_loss=")[1]) for n in (1, 2)]
+    assert math.isclose(*losses, abs_tol=1e-5)  # the same global batch: the same run (float32)

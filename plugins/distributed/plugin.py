@@ -30,7 +30,7 @@ import torch
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 from trainbus.engine.errors import check_positive_int
 
-from .processes import world_size
+from .processes import close_group_at_exit, world_size
 from .sharding import shard_eval_loader, shard_train_loader
 
 if TYPE_CHECKING:
@@ -125,6 +125,7 @@ class Distributed(Plugin):
         self.on(engine, Event.TRAIN_START, self.train_start)
         if self.num_processes == 1:
             return
+        close_group_at_exit()
         self.model = engine.model
         self.ddp = accelerator.prepare_model(engine.model)
         if engine.train_data is not None:

@@ -12,6 +12,9 @@ and wrapped the model in DDP themselves must get the same exact losses and check
 
 from __future__ import annotations
 
+import atexit
+import sys
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -72,10 +75,42 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+_closing = {"registered": False, "crashed": False}
+
+
+def close_group_at_exit() -> None:
+    """At a clean interpreter exit, wait for every rank and destroy the process group.
+
+    A script that ends without ``destroy_process_group`` lets one rank tear gloo down while another
+    still talks to it, and gloo aborts that rank (SIGABRT) after a run that went well. After an
+    uncaught exception the barrier is skipped: the other ranks may never arrive.
+    """
+    if _closing["registered"]:
+        return
+    _closing["registered"] = True
+    previous_hook = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        _closing["crashed"] = True
+        previous_hook(kind, value, tb)
+
+    sys.excepthook = excepthook
+    atexit.register(_close_group)
+
+
+def _close_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if not _closing["crashed"]:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 __all__ = [
     "all_reduce_sum",
     "barrier",
     "broadcast_from_main",
+    "close_group_at_exit",
     "collective_device",
     "gather_to_main",
     "rank",
