@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from dist_helpers import free_port, run_processes
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainbus.engine import ConfigError, Engine, Event, Priority
-from trainbus.engine.testing import count_syncs
+from trainbus.engine.testing import count_syncs, everything_but
 from trainbus.plugins.optimization.accumulation import GradientAccumulation, count_items, window_factors
 
 V, D = 4, 3  # vocabulary (classes) and feature width of the token model
@@ -183,9 +184,58 @@ def test_count_items_rules() -> None:
     weights = window_factors([3, torch.tensor(1)])  # an int first: same result
     torch.testing.assert_close(weights, torch.tensor([0.75, 0.25], dtype=torch.float64))
     torch.testing.assert_close(window_factors([torch.tensor(0)] * 2), torch.zeros(2, dtype=torch.float64))
-    with count_syncs() as counter:  # label counts stay tensors: the window reads nothing back
-        window_factors([count_items((torch.zeros(2, 2), torch.tensor([1, -100]))) for _ in range(3)])
+
+
+class OpRecorder(TorchDispatchMode):
+    """The names of the aten ops run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_labels_are_counted_on_the_host_with_no_tensor_op() -> None:
+    """The DataLoader case on a GPU: the window is counted before its batches move, in Python numbers."""
+    batches = [(torch.zeros(3, 2), torch.tensor([1, -100, 2])), (torch.zeros(2, 2), torch.tensor([-100, -100]))]
+    with OpRecorder() as recorder:
+        counts = [count_items(b) for b in batches]
+        weights = window_factors(counts)
+    # numpy reads the labels' host memory in place (the detach is the alias .numpy() takes): no new
+    # storage, no kernel, nothing to copy to a device later
+    assert set(recorder.ops) <= {"aten.detach.default"}
+    assert counts == [2, 0] and all(isinstance(c, int) for c in counts)
+    assert weights == [1.0, 0.0]
+
+
+def test_device_labels_are_counted_on_the_device_and_never_read() -> None:
+    """Batches that already live on an accelerator (here the meta device) keep their counts there."""
+    labels = torch.tensor([1, -100, 2]).to("meta")
+    with count_syncs(on_device=lambda t: True) as counter:  # any read at all would count
+        count = count_items((torch.zeros(3, 2, device="meta"), labels))
+        weights = window_factors([count, count])
+    assert isinstance(count, torch.Tensor) and count.device.type == "meta"
+    assert isinstance(weights, torch.Tensor) and weights.device.type == "meta" and weights.shape == (2,)
     assert counter.count == 0
+
+
+def test_a_window_of_host_batches_reads_nothing_and_copies_no_weight() -> None:
+    """The CPU proxy of a GPU run: all but the data's batches stand for device tensors."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 3), torch.tensor([0, 1, -100, 2])) for _ in range(6)]
+    model = torch.nn.Linear(3, 3)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=batches, max_epochs=1,
+                    loss_fn=torch.nn.CrossEntropyLoss(), plugins=[GradientAccumulation(3)])  # fmt: skip
+    with count_syncs(on_device=everything_but(batches)) as counter, OpRecorder() as recorder:
+        engine.fit()
+    assert counter.count == 0
+    # the weights are Python floats: no stack, no division of tensors, no copy to the loss's device;
+    # applying one is the single multiply a loop dividing by k does
+    assert not [op for op in recorder.ops if op.startswith(("aten.stack", "aten._to_copy", "aten.copy_", "aten.where"))]
+    assert sum(op.startswith("aten.mul.Tensor") for op in recorder.ops) >= len(batches)
 
 
 def test_bad_accumulation_fails_at_construction() -> None:

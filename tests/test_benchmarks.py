@@ -13,8 +13,8 @@ from benchmarks.rows import _engine_stack, _raw_stack
 def test_engine_and_plugin_stack_read_no_tensor_value_per_step() -> None:
     torch.set_num_threads(1)
     batches = make_batches(12)
-    assert syncs_per_step(engine_run(batches), 12) == 0
-    assert syncs_per_step(_engine_stack(batches), 12) == 0
+    assert syncs_per_step(engine_run(batches), 12, batches) == 0
+    assert syncs_per_step(_engine_stack(batches), 12, batches) == 0
 
 
 def test_engine_trains_like_the_raw_loop_it_is_timed_against() -> None:

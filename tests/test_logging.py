@@ -102,7 +102,7 @@ def test_at_most_one_host_sync_per_logging_window(tmp_path: Path, log_every: int
     # SGD: torch's CPU AdamW reads its step counter with .item() (a CPU tensor, not a device sync)
     args = quiet_args(tmp_path, max_steps=steps, logging_steps=log_every, max_grad_norm=1.0, optim="sgd")
     trainer = Trainer(Regressor(), args, train_dataset=regression_data(48))
-    with SyncCounter() as counter:
+    with SyncCounter(on_device=lambda t: True) as counter:  # every read counts, the CPU's too
         trainer.train()
     windows = steps // log_every
     # + the read of the last partial window at TRAIN_END, and per epoch the DataLoader's seed draw

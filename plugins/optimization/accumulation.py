@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
@@ -43,21 +44,25 @@ _CLASS_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, to
 
 
 def count_items(batch: Any, label_names: tuple[str, ...] = ("labels",)) -> Count:
-    """Items a micro-batch's mean loss averages over.
+    """Items a micro-batch's mean loss averages over, counted where the labels are.
 
     Integer labels: the labels that are not -100 (tokens for language models, samples for
     classification). Float labels: their elements (a mean-squared error averages over them).
-    No labels: the samples (``batch_size_of``). Counts that depend on label values stay tensors, on
-    every device, so no step reads a value back (no host sync); counts known from shapes are ints.
+    No labels: the samples (``batch_size_of``). Labels still on the host (a DataLoader's batch before
+    ``to_device`` moves it) are counted there, through numpy, into a Python int: no tensor, no
+    kernel, no copy, and reading host memory is no sync. Labels that already live on an accelerator
+    are counted there into a tensor that is never read back. Counts known from shapes are ints.
     """
     labels = get_labels(batch, label_names)
     if isinstance(labels, tuple):  # several label names: the first is what the loss averages over
         labels = labels[0]
     if not isinstance(labels, torch.Tensor):
         return int(batch_size_of(batch))
-    if labels.dtype in _CLASS_DTYPES:
-        return labels.ne(IGNORE_INDEX).sum()
-    return labels.numel()
+    if labels.dtype not in _CLASS_DTYPES:
+        return labels.numel()
+    if labels.device.type == "cpu":
+        return int(np.count_nonzero(labels.numpy() != IGNORE_INDEX))
+    return labels.ne(IGNORE_INDEX).sum()
 
 
 class GradientAccumulation(Plugin):
@@ -187,10 +192,12 @@ class GradientAccumulation(Plugin):
 def window_factors(counts: Sequence[Count], num_processes: int = 1) -> list[float] | torch.Tensor:
     """``n_i / N`` for each micro-batch of a window (``num_processes * n_i / N`` across processes).
 
-    All counts known as ints (from shapes), one process: a list of Python floats, 0 for every
-    micro-batch of a window without items. Otherwise, without reading any value back: a float64
-    tensor of the k weights (float32 on mps, which has no float64), 0 where a micro-batch has no items.
-    Across processes ``N`` is the window's items on all ranks: one all-reduce of the local total.
+    All counts ints (counted on the host or from shapes), one process: a list of Python floats, 0 for
+    every micro-batch of a window without items; applying one is the multiply a hand-written loop
+    does with ``/ k``. Counts that live on an accelerator: without reading any value back, a float64
+    tensor of the k weights there (float32 on mps, which has no float64), 0 where a micro-batch has
+    no items. Across processes ``N`` is the window's items on all ranks: one all-reduce of the local
+    total.
     """
     if num_processes > 1:
         return _factors_across_processes(counts, num_processes)
@@ -208,6 +215,11 @@ def window_factors(counts: Sequence[Count], num_processes: int = 1) -> list[floa
 
 def _factors_across_processes(counts: Sequence[Count], num_processes: int) -> torch.Tensor:
     device = collective_device()
-    local = torch.stack([torch.as_tensor(c, device=device) for c in counts]).double()
+    if all(isinstance(c, int) for c in counts):
+        host = torch.tensor(counts, dtype=torch.float64)
+        # from pinned memory the copy to a GPU does not block the host (a pageable one would)
+        local = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    else:
+        local = torch.stack([torch.as_tensor(c, device=device) for c in counts]).double()
     total = all_reduce_sum(local.sum())
     return local * (num_processes / total.clamp_min(1.0))  # DDP divides the summed gradients by W
