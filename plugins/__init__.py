@@ -47,6 +47,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # processes
     "distributed.plugin": ("Distributed",),
     "distributed.sharding": ("ShardedBatchSampler", "shard_train_loader", "shard_eval_loader"),
+    # adapters
+    "adapters.peft": ("AdapterSwitch", "adapter_names", "adapter_parameters", "prepare_qlora"),
     # evaluation
     "evaluation.collector": ("EvalCollector", "EvalPrediction", "PredictionOutput", "EvalLoopOutput"),
     "evaluation.metrics": ("IgniteMetrics",),

@@ -17,7 +17,9 @@ PACKAGES = {"trainbus.engine": ROOT / "engine", "trainbus.hooks": ROOT / "hooks"
 
 #: plugins/ subpackages from the bottom up: a feature subpackage may import features, never the facade
 #: or the cli; the facade may import every feature; the cli sits on top of the facade.
-FEATURES = ("distributed", "optimization", "data", "evaluation", "control", "checkpoints", "observability")
+FEATURES = (
+    "distributed", "optimization", "data", "evaluation", "control", "checkpoints", "observability", "adapters",
+)  # fmt: skip
 FACADE, CLI = "facade", "cli"
 
 

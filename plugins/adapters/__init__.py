@@ -1,0 +1,1 @@
+"""Adapters through peft: switching the trained adapter at events, QLoRA preparation."""
