@@ -149,12 +149,17 @@ def hf_prediction_step(ignore_keys: list[str] | None = None) -> Callable[..., tu
 
     Dict / ModelOutput outputs give the tuple of their other entries (one entry: that tensor);
     tuple outputs drop a leading scalar loss. Use with ``engine.set_hook("prediction_step", ...)``.
+    ``ignore_keys=None`` means the model's ``config.keys_to_ignore_at_inference``, as in HF: a causal
+    LM's ``past_key_values`` (a cache object, not predictions) is left out.
     """
-    ignored = set(ignore_keys or ()) | {"loss"}
 
     def prediction_step(model: torch.nn.Module, batch: Any, forward: Any, compute_loss: Any, label_names: Any) -> Any:
         from trainbus.hooks import get_labels
 
+        keys = ignore_keys
+        if keys is None:
+            keys = getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or []
+        ignored = {*keys, "loss"}
         outputs = forward(model, batch)
         labels = get_labels(batch, tuple(label_names))
         loss = None if labels is None else compute_loss(outputs, batch).detach()
