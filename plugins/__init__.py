@@ -58,6 +58,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "control.flow": ("FlowControl",),
     "observability.logging": ("TrainLogger", "ConsoleSink"),
     "observability.progress": ("ProgressBars", "Printer"),
+    "observability.plots": ("PlotCurves", "plot_run"),
     "observability.sinks": ("JsonlSink", "CsvSink", "TensorBoardSink"),
     # checkpoints
     "checkpoints.checkpoint": (

@@ -48,6 +48,7 @@ def test_quick_demo_trains_checkpoints_logs_and_reports(tmp_path: Path, capsys: 
     header = (out / "logs.csv").read_text().splitlines()[0].split(",")
     assert header[0] == "step" and {"loss", "eval_accuracy", "learning_rate", "grad_norm"} <= set(header)
     assert (out / "model.safetensors").exists()
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the demo's PlotCurves
 
 
 def test_epochs_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:

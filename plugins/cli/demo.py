@@ -122,6 +122,7 @@ def _demo(output_dir: str, epochs: int, seed: int, out: TextIO) -> dict[str, Any
     from ..facade.arguments import TrainingArguments
     from ..facade.composition import set_seed
     from ..facade.trainer import Trainer
+    from ..observability.plots import PlotCurves
     from ..observability.progress import Printer
 
     started = time.perf_counter()
@@ -149,6 +150,11 @@ def _demo(output_dir: str, epochs: int, seed: int, out: TextIO) -> dict[str, Any
         seed=seed,
     )
     table = EpochTable(out)
+    extras: list[Any] = []
+    try:
+        extras.append(PlotCurves(output_dir))  # training_curves.png at the end (the demo extra has matplotlib)
+    except ConfigError:
+        out.write("(no training_curves.png: matplotlib is not installed; pip install 'trainbus[plots]')\n")
     set_seed(seed)  # before the model is built, so its initial weights are the seed's too
     trainer = Trainer(
         DigitsMLP(),
@@ -156,7 +162,7 @@ def _demo(output_dir: str, epochs: int, seed: int, out: TextIO) -> dict[str, Any
         train_dataset=data["train"],
         eval_dataset=data["validation"],
         compute_metrics=accuracy,
-        callbacks=[EarlyStopping("accuracy", patience=3), table],
+        callbacks=[EarlyStopping("accuracy", patience=3), table, *extras],
     )
     trainer.remove_callback(Printer)  # the table replaces the per-record printer
     out.write(
@@ -222,7 +228,7 @@ def _clear_old_checkpoints(output_dir: str, overwrite: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``trainbus`` argument parser (subcommands: demo)."""
+    """The ``trainbus`` argument parser (subcommands: demo, plot)."""
     parser = argparse.ArgumentParser(prog="trainbus", description="trainbus: a plugin-composed training engine.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo = commands.add_parser(
@@ -239,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete the checkpoint-* folders a previous run left in --output-dir (else the demo refuses to start)",
     )
     demo.add_argument("--seed", type=int, default=42, help="seed of the split, the model and the data order")
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's training curves (loss, eval metrics, learning rate, grad norm) as a PNG",
+        description="Draw RUN_DIR's curves from its logs.jsonl or newest checkpoint (needs matplotlib).",
+    )
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir")
+    plot.add_argument("--output", default=None, help="the PNG to write (default RUN_DIR/training_curves.png)")
     return parser
 
 
@@ -255,6 +268,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_demo(ns.output_dir, epochs, ns.seed)
         except ConfigError as exc:
             print(f"trainbus demo: {exc}", file=sys.stderr)
+            return 2
+    elif ns.command == "plot":
+        from ..observability.plots import plot_run
+
+        try:
+            print(plot_run(ns.run_dir, ns.output))
+        except ConfigError as exc:
+            print(f"trainbus plot: {exc}", file=sys.stderr)
             return 2
     return 0
 

@@ -1,0 +1,67 @@
+"""Training curves: read from a run's logs, drawn with matplotlib, by the CLI and by the plugin."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from facade_helpers import Regressor, quiet_args, regression_data
+
+from trainbus.engine import ConfigError
+from trainbus.plugins import PlotCurves, Trainer
+from trainbus.plugins.cli.demo import main
+from trainbus.plugins.observability.plots import curves, read_log_history
+
+PNG = b"\x89PNG\r\n\x1a\n"
+HISTORY = [
+    {"loss": 2.0, "grad_norm": 1.5, "learning_rate": 0.1, "epoch": 0.5, "step": 1},
+    {"loss": 1.0, "grad_norm": 0.5, "learning_rate": 0.05, "epoch": 1.0, "step": 2},
+    {"eval_loss": 1.2, "eval_accuracy": 0.5, "eval_runtime": 0.1, "eval_samples_per_second": 9.0, "step": 2},
+    {"train_runtime": 1.0, "train_loss": 1.5, "step": 2},
+]
+
+
+def test_curves_take_losses_eval_metrics_lr_and_grad_norm_but_no_timings() -> None:
+    panels = curves(HISTORY)
+    assert panels["loss"] == {"loss": [(1.0, 2.0), (2.0, 1.0)]}
+    assert panels["eval"] == {"eval_loss": [(2.0, 1.2)], "eval_accuracy": [(2.0, 0.5)]}
+    assert panels["learning_rate"]["learning_rate"][-1] == (2.0, 0.05)
+    assert set(panels) == {"loss", "eval", "learning_rate", "grad_norm"}
+
+
+def test_trainer_run_is_plotted_by_the_plugin_and_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = quiet_args(tmp_path, max_steps=6, logging_steps=2, eval_strategy="steps", eval_steps=3,
+                      report_to=["jsonl"], save_strategy="steps", save_steps=3)  # fmt: skip
+    trainer = Trainer(Regressor(), args, train_dataset=regression_data(24), eval_dataset=regression_data(8),
+                      callbacks=[PlotCurves(tmp_path)])  # fmt: skip
+    trainer.train()
+    figure = tmp_path / "training_curves.png"
+    assert figure.read_bytes()[:8] == PNG and figure.stat().st_size > 5000
+    figure.unlink()
+    capsys.readouterr()  # the training's printed logs
+    assert main(["plot", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == str(figure) and figure.read_bytes()[:8] == PNG
+    # without logs.jsonl the newest checkpoint's log_history is read
+    (tmp_path / "logs.jsonl").unlink()
+    history = read_log_history(tmp_path)
+    assert [r["step"] for r in history if "loss" in r] == [2, 4, 6]
+    assert main(["plot", str(tmp_path), "--output", str(tmp_path / "other.png")]) == 0
+    assert (tmp_path / "other.png").read_bytes()[:8] == PNG
+
+
+def test_plot_of_a_folder_without_logs_says_what_it_needs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "needs logs.jsonl (report_to='jsonl') or a checkpoint-*/trainer_state.json; found: ['notes.txt']" in (
+        capsys.readouterr().err
+    )
+    (tmp_path / "logs.jsonl").write_text(json.dumps({"epoch": 1.0, "step": 1}) + "\n")
+    with pytest.raises(ConfigError, match="no loss, eval metric"):
+        from trainbus.plugins import plot_run
+
+        plot_run(tmp_path)
+    assert torch.get_num_threads() >= 1
