@@ -49,6 +49,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "distributed.sharding": ("ShardedBatchSampler", "shard_train_loader", "shard_eval_loader"),
     # adapters
     "adapters.peft": ("AdapterSwitch", "adapter_names", "adapter_parameters", "prepare_qlora"),
+    # weight averaging
+    "averaging.ema": ("EMA",),
+    "averaging.swa": ("SWA",),
     # evaluation
     "evaluation.collector": ("EvalCollector", "EvalPrediction", "PredictionOutput", "EvalLoopOutput"),
     "evaluation.metrics": ("IgniteMetrics",),

@@ -19,6 +19,7 @@ PACKAGES = {"trainbus.engine": ROOT / "engine", "trainbus.hooks": ROOT / "hooks"
 #: or the cli; the facade may import every feature; the cli sits on top of the facade.
 FEATURES = (
     "distributed", "optimization", "data", "evaluation", "control", "checkpoints", "observability", "adapters",
+    "averaging",
 )  # fmt: skip
 FACADE, CLI = "facade", "cli"
 

@@ -1,0 +1,1 @@
+"""Weight averaging: an exponential moving average of the weights (``EMA``), stochastic weight averaging (``SWA``)."""
