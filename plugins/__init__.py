@@ -16,6 +16,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # the facade
     "facade.arguments": ("TrainingArguments", "IntervalStrategy", "SaveStrategy"),
     "facade.trainer": ("Trainer",),
+    "facade.search": ("BestRun", "hyperparameter_search", "default_compute_objective"),
+    "facade.model_card": ("write_model_card",),
     "facade.composition": ("TrainOutput", "build_plugins", "set_seed"),
     "facade.callbacks": ("TrainerCallback", "CallbackAdapter", "EarlyStoppingCallback"),
     # data

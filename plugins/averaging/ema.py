@@ -74,6 +74,7 @@ class EMA(Plugin):
             per update, not per step.
         eval_with_ema: evaluate (``evaluate()``, also inside ``fit``) with the averaged weights.
         average_buffers: average the floating-point buffers too (default: use the model's own).
+        save_averaged: ``Trainer.save_model`` writes the averaged weights (default) or the training ones.
 
     The state (the averages and ``num_updates``) is in ``state_dict()``, so checkpoints carry it
     (the averages go to the safetensors file) and a resume continues bit for bit. For saving the
@@ -110,8 +111,11 @@ class EMA(Plugin):
         every: int = 1,
         eval_with_ema: bool = False,
         average_buffers: bool = False,
+        save_averaged: bool = True,
     ) -> None:
         self.decay = check_decay(decay)
+        _check_flag("save_averaged", save_averaged)
+        self.save_averaged = save_averaged
         if not isinstance(warmup, bool):
             raise ConfigError(
                 f"EMA warmup must be True (the decay ramps as {WARMUP_FORMULA}, as torch-ema) "

@@ -10,6 +10,7 @@ Subclass overrides of ``compute_loss``, ``training_step``, ``prediction_step``, 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable, Mapping
@@ -21,6 +22,7 @@ from trainbus.engine import ConfigError, Engine, Plugin, State
 from trainbus.hooks import forward as default_forward
 from trainbus.hooks import get_labels, loss_from_outputs
 
+from ..averaging.ema import EMA
 from ..checkpoints import checkpoint as ckpt
 from ..data.loading import (
     DataCollatorWithPadding,
@@ -41,6 +43,9 @@ from .arguments import TrainingArguments
 from .callbacks import CallbackAdapter
 from .composition import Computed as _Computed
 from .composition import TrainOutput, build_plugins, check_metric_for_best_model, set_seed
+from .model_card import write_model_card
+from .search import hyperparameter_search as _hyperparameter_search
+from .search import takes_trial
 
 
 class Trainer(Engine):
@@ -92,7 +97,7 @@ class Trainer(Engine):
         if model is None:
             if model_init is None:
                 raise ConfigError("Trainer needs a model (or model_init)")
-            model = model_init()
+            model = model_init(None) if takes_trial(model_init) else model_init()  # HF: a 1-argument one gets the trial
         self.model_init = model_init
         model = model.to(args.device)
         self.processing_class = processing_class
@@ -387,11 +392,26 @@ class Trainer(Engine):
         finally:
             self._prediction_loss_only, self._ignore_keys = saved
 
+    #: HF's ``Trainer.hyperparameter_search`` on optuna (plugins/facade/search.py)
+    hyperparameter_search = _hyperparameter_search
+
+    def create_model_card(self, **kwargs: Any) -> None:
+        """Write ``README.md`` about this run next to the saved model in output_dir (HF's, without the hub)."""
+        if self.args.should_save:
+            write_model_card(self, **kwargs)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save a loadable final model (``save_pretrained`` for HF models) to output_dir; the main process writes."""
+        """Save a loadable final model (``save_pretrained`` for HF models) to output_dir; the main process writes.
+
+        With an ``EMA`` plugin the averaged weights are saved (its ``save_averaged=False`` keeps the
+        training weights).
+        """
+        ema = self.get_plugin(EMA)
+        averaged = ema.swapped(self) if isinstance(ema, EMA) and ema.save_averaged else contextlib.nullcontext()
         try:
             if self.args.should_save:
-                ckpt.save_model(self.model, output_dir or self.args.output_dir)
+                with averaged:
+                    ckpt.save_model(self.model, output_dir or self.args.output_dir)
                 processing_class = self.processing_class
                 if processing_class is not None and callable(getattr(processing_class, "save_pretrained", None)):
                     processing_class.save_pretrained(output_dir or self.args.output_dir)
