@@ -17,6 +17,15 @@ def test_model_card_describes_the_run(tmp_path: Path) -> None:
     trainer = Trainer(Regressor(), args, train_dataset=regression_data(24), eval_dataset=regression_data(8))
     trainer.train()
     trainer.save_model()
+    saved_card = (tmp_path / "README.md").read_text()  # save_model writes the card
+    rows = [line for line in saved_card.splitlines() if line.startswith("| ") and "Training Loss" not in line]
+    evals = [r for r in trainer.state.log_history if "eval_loss" in r]
+    losses = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(rows) == len(evals) == 2
+    for row, record in zip(rows, evals):  # each row: the loss logged before that evaluation, and its metrics
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        before = [r["loss"] for r in losses if r["step"] <= record["step"]][-1]
+        assert cells == [f"{before:.4g}", f"{record['epoch']:.4g}", str(record["step"]), f"{record['eval_loss']:.4g}"]
     card = write_model_card(trainer, model_name="tiny-regressor", license="apache-2.0", tags=["regression"],
                             finetuned_from="nothing/scratch")  # fmt: skip
     text = card.read_text()

@@ -41,6 +41,7 @@ def test_trainer_run_is_plotted_by_the_plugin_and_the_command(
     trainer.train()
     figure = tmp_path / "training_curves.png"
     assert figure.read_bytes()[:8] == PNG and figure.stat().st_size > 5000
+    assert_four_drawn_panels(figure)
     figure.unlink()
     capsys.readouterr()  # the training's printed logs
     assert main(["plot", str(tmp_path)]) == 0
@@ -53,7 +54,24 @@ def test_trainer_run_is_plotted_by_the_plugin_and_the_command(
     assert (tmp_path / "other.png").read_bytes()[:8] == PNG
 
 
+def assert_four_drawn_panels(figure: Path) -> None:
+    """The PNG is the 2 x 2 figure (loss, eval, lr, grad norm) with lines drawn in every panel."""
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(str(figure))
+    height, width = pixels.shape[:2]
+    assert (width, height) == (1200, 720)
+    for top in (0, height // 2):
+        for left in (0, width // 2):
+            panel = pixels[top + 60 : top + height // 2 - 60, left + 90 : left + width // 2 - 30, :3]
+            blue = (panel[..., 2] > 0.6) & (panel[..., 0] < 0.3)  # matplotlib's first line colour
+            assert blue.sum() > 100, f"no curve in the panel at {(top, left)}"
+
+
 def test_plot_of_a_folder_without_logs_says_what_it_needs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    missing = capsys.readouterr().err
+    assert "no logs in" in missing and "found: nothing" in missing
     (tmp_path / "notes.txt").write_text("x")
     assert main(["plot", str(tmp_path)]) == 2
     assert "needs logs.jsonl (report_to='jsonl') or a checkpoint-*/trainer_state.json; found: ['notes.txt']" in (

@@ -401,8 +401,9 @@ class Trainer(Engine):
             write_model_card(self, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save a loadable final model (``save_pretrained`` for HF models) to output_dir; the main process writes.
+        """Save a loadable final model (``save_pretrained`` for HF models) and its model card to output_dir.
 
+        The main process writes.
         With an ``EMA`` plugin the averaged weights are saved (its ``save_averaged=False`` keeps the
         training weights).
         """
@@ -415,6 +416,7 @@ class Trainer(Engine):
                 processing_class = self.processing_class
                 if processing_class is not None and callable(getattr(processing_class, "save_pretrained", None)):
                     processing_class.save_pretrained(output_dir or self.args.output_dir)
+                write_model_card(self, output_dir)  # README.md next to the model (after peft's, which it replaces)
         finally:
             barrier()  # every rank returns once the model is on disk
 
