@@ -10,15 +10,15 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from trainbus.engine import ConfigError, Engine
+from trainbus.engine import ConfigError, Engine, Event
 from trainbus.plugins import AdapterSwitch, Trainer, TrainingArguments, adapter_parameters, prepare_qlora
 
-VOCAB, SEQ = 64, 8
+VOCAB, SEQ = 256, 8
 
 
 def base_model() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
+    config = GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
     return GPT2LMHeadModel(config)
 
@@ -132,3 +132,54 @@ def test_bad_adapter_set_ups_fail_before_training(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="QLoRA needs bitsandbytes and a CUDA GPU"):
             prepare_qlora(model)
+
+
+def _lora_trainer(out: Path, **more: Any) -> Trainer:
+    args = args_for(out, save_strategy="steps", save_steps=2, **more)
+    return Trainer(lora(), args, train_dataset=token_data(24))
+
+
+def test_lora_checkpoints_hold_only_what_trains_and_resume_bit_exact(tmp_path: Path) -> None:
+    from trainbus.plugins.checkpoints.io import read_manifest
+
+    full = _lora_trainer(tmp_path / "full")
+    full.train()
+    checkpoint = tmp_path / "full" / "run" / "checkpoint-2"
+    weights = st_load(checkpoint / "model.safetensors")
+    assert weights and all("lora_" in name for name in weights)  # the adapter, not the base
+    manifest = read_manifest(checkpoint)
+    assert manifest["frozen_base"]["algorithm"] == "sha256" and manifest["frozen_base"]["parameters"] > 0
+    # the whole training checkpoint against one holding the full model's weights instead
+    whole = tmp_path / "whole.safetensors"
+    import safetensors.torch as st
+
+    st.save_model(lora(), str(whole))
+    size = sum(f.stat().st_size for f in checkpoint.iterdir())
+    full_model_checkpoint = size - (checkpoint / "model.safetensors").stat().st_size + whole.stat().st_size
+    assert size < 0.1 * full_model_checkpoint, (size, full_model_checkpoint)
+    # resumed in a fresh Trainer from checkpoint-4: bit for bit the uninterrupted run
+    resumed = _lora_trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "run" / "checkpoint-4"))
+    for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_a_checkpoint_of_another_frozen_base_is_refused_before_training(tmp_path: Path) -> None:
+    _lora_trainer(tmp_path / "a").train()
+    other = lora()
+    with torch.no_grad():
+        other.base_model.model.transformer.wte.weight.add_(1.0)  # another base: same shapes, other weights
+    trainer = Trainer(
+        other, args_for(tmp_path / "b", save_strategy="steps", save_steps=2), train_dataset=token_data(24)
+    )
+    steps: list[int] = []
+    trainer.on(Event.STEP_START, lambda ev: steps.append(ev.engine.state.global_step))
+    with pytest.raises(ConfigError, match="was trained on another frozen base: its fingerprint is"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"))
+    assert steps == []
+
+
+def st_load(path: Path) -> dict[str, torch.Tensor]:
+    import safetensors.torch as st
+
+    return st.load_file(str(path))

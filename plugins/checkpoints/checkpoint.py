@@ -2,7 +2,9 @@
 
 A checkpoint is a directory ``output_dir/checkpoint-{global_step}`` holding, with no pickle:
 
-- ``model.safetensors``: the model's weights (tied weights once);
+- ``model.safetensors``: the model's weights (tied weights once); of a model with frozen parameters
+  (a peft / LoRA base) only what trains and the buffers, with the base's fingerprint in the manifest
+  (``frozen.py``), checked when the checkpoint is loaded;
 - ``optimizer.json`` + ``optimizer.safetensors``: ``optimizer.state_dict()``;
 - ``plugins.json`` + ``plugins.safetensors``: every plugin's ``state_dict()`` (scheduler,
   scaler, early stopping, ...), keyed by plugin name;
@@ -34,6 +36,7 @@ from trainbus.engine.events import EpochEndEvent, EpochStartEvent, EvalEndEvent,
 
 from ..distributed.processes import barrier, broadcast_from_main, gather_to_main, rank, world_size
 from . import io as cio
+from .frozen import base_fingerprint, check_base, trainable_state_dict
 from .io import load_model_weights, save_model
 
 logger = logging.getLogger("trainbus.checkpoint")
@@ -181,7 +184,11 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        cio.save_weights(engine.model, tmp / "model.safetensors")
+        frozen_base = base_fingerprint(engine.model)
+        if frozen_base is None:
+            cio.save_weights(engine.model, tmp / "model.safetensors")
+        else:  # a frozen base: only what trains, the base known by its fingerprint
+            cio.write_tensors(tmp / "model.safetensors", trainable_state_dict(engine.model))
         files = ["model.safetensors"]
         files += cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
         files += cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
@@ -190,7 +197,8 @@ def save_checkpoint(
         cio.write_text(tmp / "trainer_state.json", state.to_json())
         files.append("trainer_state.json")
         processes = {"world_size": len(rng_states)} if len(rng_states) > 1 else {}
-        cio.write_manifest(tmp, files, {"global_step": state.global_step, **processes, **(info or {})})
+        base = {"frozen_base": frozen_base} if frozen_base is not None else {}
+        cio.write_manifest(tmp, files, {"global_step": state.global_step, **processes, **base, **(info or {})})
         cio.fsync_path(tmp)
         _publish(tmp, final)
     except BaseException:
@@ -261,9 +269,9 @@ def load_checkpoint(engine: Engine, path: str | Path) -> dict[str, Any]:
         )
     if engine.optimizer is None:
         raise ConfigError("resuming needs engine.optimizer: pass it to the Engine or attach the optimizer plugin first")
-    cio.load_weights(
-        engine.model, cio.read_tensors(directory / "model.safetensors"), str(directory / "model.safetensors")
-    )
+    weights = directory / "model.safetensors"
+    frozen = check_base(engine.model, manifest.get("frozen_base"), str(directory))
+    cio.load_weights(engine.model, cio.read_tensors(weights), str(weights), may_lack=frozen)
     optimizer_state = cio.read_bundle(directory, "optimizer")
     try:
         engine.optimizer.load_state_dict(optimizer_state)
@@ -485,7 +493,8 @@ class LoadBestModelAtEnd(Plugin):
             logger.warning("load_best_model_at_end: no best checkpoint was recorded; keeping the last weights")
             return
         directory = Path(best)
-        cio.read_manifest(directory, verify=True)
+        manifest = cio.read_manifest(directory, verify=True)
         weights = directory / "model.safetensors"
-        cio.load_weights(engine.model, cio.read_tensors(weights), str(weights))
+        frozen = check_base(engine.model, manifest.get("frozen_base"), str(directory))
+        cio.load_weights(engine.model, cio.read_tensors(weights), str(weights), may_lack=frozen)
         logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)

@@ -287,17 +287,23 @@ def save_weights(model: torch.nn.Module, path: Path) -> None:
     fsync_path(path)
 
 
-def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], where: str) -> None:
+def load_weights(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], where: str, may_lack: Iterable[str] = ()
+) -> None:
     """Copy ``state`` into ``model``; keys missing only because they are tied to a loaded one are fine.
 
+    ``may_lack`` names keys a checkpoint leaves out on purpose (a verified frozen base's parameters).
     Raises ConfigError naming ``where`` on unexpected or missing keys or shape mismatches.
     """
+    may_lack = set(may_lack)
     own = model.state_dict()
     unexpected = sorted(set(state) - set(own))
     if unexpected:
         raise ConfigError(f"{where} has weights the model lacks: {unexpected[:10]}")
     loaded_ptrs = {(own[k].device, own[k].data_ptr()) for k in state if own[k].data_ptr() != 0}
-    missing = [k for k in own if k not in state and (own[k].device, own[k].data_ptr()) not in loaded_ptrs]
+    missing = [
+        k for k in own if k not in state and k not in may_lack and (own[k].device, own[k].data_ptr()) not in loaded_ptrs
+    ]
     if missing:
         raise ConfigError(f"{where} lacks weights of the model: {missing[:10]}")
     try:
