@@ -312,26 +312,17 @@ def _make_setup(job: Job, device_name: str, warm: int, timed: int, counted: int,
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if job.name == "mlp":
+        from benchmarks.common import ClassifierWithLoss
 
-        class MLP(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.net = torch.nn.Sequential(
-                    torch.nn.Linear(256, 512),
-                    torch.nn.ReLU(),
-                    torch.nn.Linear(512, 512),
-                    torch.nn.ReLU(),
-                    torch.nn.Linear(512, 10),
-                )
-
-            def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-                logits = self.net(x)
-                out = {"logits": logits}
-                if labels is not None:
-                    out["loss"] = torch.nn.functional.cross_entropy(logits, labels)
-                return out
-
-        model: Any = MLP()
+        model: Any = ClassifierWithLoss(
+            torch.nn.Sequential(
+                torch.nn.Linear(256, 512),
+                torch.nn.ReLU(),
+                torch.nn.Linear(512, 512),
+                torch.nn.ReLU(),
+                torch.nn.Linear(512, 10),
+            )
+        )
         base = [
             {"x": torch.randn(256, generator=g), "labels": torch.randint(0, 10, (), generator=g)} for _ in range(4096)
         ]

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import CLASSES, FEATURES, HIDDEN, make_model, make_optimizer
+from benchmarks.common import CLASSES, FEATURES, HIDDEN, ClassifierWithLoss, make_model, make_optimizer
 from trainbus.engine import Engine
 
 Run = Callable[[], None]
@@ -75,21 +75,6 @@ def _engine_stack(batches: list[Any]) -> Run:
     return run
 
 
-class MLPWithLoss(torch.nn.Module):
-    """The benchmark MLP in the HF calling convention: forward(x, labels) -> {"loss", "logits"}."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = make_model()
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        logits = self.net(x)
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = torch.nn.functional.cross_entropy(logits, labels)
-        return out
-
-
 def _dataset(batches: list[Any]) -> list[dict[str, torch.Tensor]]:
     return [{"x": x[i], "labels": y[i]} for x, y in batches for i in range(x.shape[0])]
 
@@ -97,7 +82,7 @@ def _dataset(batches: list[Any]) -> list[dict[str, torch.Tensor]]:
 def _raw_facade_baseline(batches: list[Any]) -> Run:
     """What the facade's defaults do, by hand: DataLoader + collation, weight-decay parameter groups
     (biases apart, as HF makes them), clipping at 1.0, a linear schedule."""
-    model = MLPWithLoss()
+    model = ClassifierWithLoss(make_model())
     decay = [p for name, p in model.named_parameters() if not name.endswith("bias")]
     no_decay = [p for name, p in model.named_parameters() if name.endswith("bias")]
     groups = [{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}]
@@ -131,7 +116,7 @@ def _trainer_run(trainer_cls: Any, args_cls: Any, batches: list[Any]) -> Run:
         learning_rate=1e-3,
         logging_steps=500,
     )
-    trainer = trainer_cls(model=MLPWithLoss(), args=args, train_dataset=_dataset(batches))
+    trainer = trainer_cls(model=ClassifierWithLoss(make_model()), args=args, train_dataset=_dataset(batches))
     return lambda: trainer.train()
 
 

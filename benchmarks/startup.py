@@ -85,26 +85,21 @@ def _child(name: str, profile: bool) -> dict[str, Any]:
         import torch._dynamo  # what import transformers does on the way
     imported = time.perf_counter()
 
-    class MLP(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(
+    from benchmarks.common import ClassifierWithLoss
+
+    def mlp() -> torch.nn.Module:
+        return ClassifierWithLoss(
+            torch.nn.Sequential(
                 torch.nn.Linear(FEATURES, HIDDEN),
                 torch.nn.ReLU(),
                 torch.nn.Linear(HIDDEN, HIDDEN),
                 torch.nn.ReLU(),
                 torch.nn.Linear(HIDDEN, CLASSES),
             )
-
-        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-            logits = self.net(x)
-            out = {"logits": logits}
-            if labels is not None:
-                out["loss"] = torch.nn.functional.cross_entropy(logits, labels)
-            return out
+        )
 
     torch.manual_seed(0)
-    model = MLP()
+    model = mlp()
     g = torch.Generator().manual_seed(1)
     xs, ys = torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g)
     dataset = [{"x": x, "labels": y} for x, y in zip(xs, ys)]
