@@ -242,7 +242,7 @@ def test_eval_strategy_without_eval_set(tmp_path: Path) -> None:
         )
 
 
-def test_metric_for_best_model_checked_before_training(tmp_path: Path) -> None:
+def test_metric_for_best_model_of_compute_metrics_checked_at_the_first_evaluation(tmp_path: Path) -> None:
     steps: list[int] = []
 
     class Spy(TrainerCallback):
@@ -260,7 +260,7 @@ def test_metric_for_best_model_checked_before_training(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match=r"eval_acuracy.*did you mean 'eval_accuracy'"):
         trainer.train()
-    assert steps == []
+    assert steps == [1]  # HF calls compute_metrics only in a real evaluation: the one after step 1
     args.metric_for_best_model = "accuracy"
     ok = Trainer(tiny_bert(), args, train_dataset=token_data(8), eval_dataset=token_data(4), compute_metrics=accuracy)
     assert ok.train().global_step == 2

@@ -32,7 +32,15 @@ from typing import Any
 import torch
 
 from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority, State
-from trainbus.engine.events import EpochEndEvent, EpochStartEvent, EvalEndEvent, Payload, SaveEvent, StepEndEvent
+from trainbus.engine.events import (
+    EpochEndEvent,
+    EpochStartEvent,
+    EvalEndEvent,
+    Payload,
+    SaveEvent,
+    StepEndEvent,
+    TrainEndEvent,
+)
 
 from ..distributed.processes import barrier, broadcast_from_main, gather_to_main, rank, world_size
 from . import io as cio
@@ -366,6 +374,8 @@ class Checkpointing(Plugin):
             "steps" (every ``save_steps`` and at the last step), "epoch", "best" (after an
             evaluation that found a new best).
         save_steps: an int, or a float in (0, 1) as a fraction of max_steps (as HF).
+        only_best_at_end: with ``save_total_limit=1``, a finished run deletes every checkpoint but
+            the best (HF's Trainer); during the run the newest stays too, for resuming.
 
     Example:
         >>> import torch, tempfile
@@ -392,6 +402,7 @@ class Checkpointing(Plugin):
         *,
         save_strategy: str | None = None,
         save_steps: int | float = 500,
+        only_best_at_end: bool = False,
     ) -> None:
         if save_total_limit is not None and (
             isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1
@@ -414,12 +425,16 @@ class Checkpointing(Plugin):
         self.best_metric_key = best_metric_key
         self.save_strategy = strategy
         self.save_steps = save_steps
+        self.only_best_at_end = only_best_at_end and save_total_limit == 1
         self.last_metric: float | None = None
         self.last_saved: Path | None = None
         self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.SAVE, self.save)
+        if self.only_best_at_end:
+            # after LoadBestModelAtEnd (FIRST) has read the best checkpoint
+            self.on(engine, Event.TRAIN_END, self._keep_only_best, priority=Priority.LAST)
         if self.save_strategy == "steps":
             self.on(engine, Event.STEP_END, self._step_end, priority=Priority.DEFAULT)
         elif self.save_strategy == "epoch":
@@ -450,6 +465,16 @@ class Checkpointing(Plugin):
                 self.last_metric = float(value)  # once per evaluation, not per step
         if self.save_strategy == "best" and engine.state.best_global_step == engine.state.global_step:
             engine.control.should_save = True
+
+    def _keep_only_best(self, payload: TrainEndEvent) -> None:
+        """HF: with ``save_total_limit=1`` a finished run keeps only the best checkpoint, not also the newest."""
+        best = payload.engine.state.best_model_checkpoint
+        if best is None or rank() != 0 or not payload.engine.state.is_world_process_zero:
+            return
+        for _, path in list_checkpoints(self.output_dir):
+            if not _same(best, path):
+                logger.info("deleting %s: save_total_limit=1 keeps only the best checkpoint", path)
+                _delete(path)
 
     def save(self, payload: SaveEvent) -> None:
         """The SAVE handler: write the checkpoint (main process only) and rotate."""

@@ -1,14 +1,13 @@
 """Which plugins a ``Trainer`` gets from its ``TrainingArguments``: the facade is only composition.
 
-``build_plugins`` returns them in attach order; ``check_metric_for_best_model`` validates the
-metric name before training from a dry evaluation's key list.
+``build_plugins`` returns them in attach order; ``check_metric_for_best_model`` rejects at
+construction a metric name that no evaluation can produce.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import random
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -20,7 +19,7 @@ from ..checkpoints.checkpoint import Checkpointing, LoadBestModelAtEnd
 from ..control.best_model import BestMetric, check_metric_key, expected_keys
 from ..control.flow import FlowControl
 from ..data.loading import ResumableData
-from ..evaluation.collector import EvalCollector, EvalPrediction
+from ..evaluation.collector import EvalCollector
 from ..evaluation.half_eval import HalfPrecisionEval
 from ..observability.logging import SINKS, TrainLogger
 from ..observability.progress import Printer, ProgressBars
@@ -126,8 +125,10 @@ def build_plugins(
     )
     if args.metric_for_best_model is not None:
         plugins.append(BestMetric(args.metric_for_best_model, args.greater_is_better))
-    if args.save_strategy != "no":
-        plugins.append(Checkpointing(args.output_dir, args.save_total_limit, args.metric_for_best_model))
+    # present with save_strategy="no" too: a callback's control.should_save still gets a checkpoint (HF)
+    plugins.append(
+        Checkpointing(args.output_dir, args.save_total_limit, args.metric_for_best_model, only_best_at_end=True)
+    )
     if args.load_best_model_at_end:
         plugins.append(LoadBestModelAtEnd())
     plugins.append(FlowControl.from_args(args))
@@ -159,37 +160,13 @@ def _sinks(args: TrainingArguments) -> list[Plugin]:
     return [SINKS[n](args) for n in names if not (n == "console" and args.disable_tqdm)]
 
 
-def dry_eval_keys(trainer: Any) -> list[str]:
-    """The metric keys an evaluation will produce, from one eval batch run through the eval step.
+def check_metric_for_best_model(trainer: Any, metric: str) -> None:
+    """Raise at construction when ``metric`` cannot appear: no compute_metrics and no plugin adds metrics.
 
-    Computes compute_metrics on that single batch to learn its key names; costs one forward pass.
+    Only the keys trainbus produces itself (``eval_loss``, ``eval_runtime``, ...) are known before an
+    evaluation; a metric of compute_metrics or a metrics plugin is checked at the first evaluation
+    (``MetricWatch``, before best tracking, early stopping or rotation act on it). User code is never
+    called outside a real evaluation, as in HF.
     """
-    data = trainer.eval_data
-    first = next(iter(data.values())) if isinstance(data, Mapping) else data
-    batch = trainer.hooks.to_device(next(iter(first)), trainer.device)
-    was_training = trainer.model.training
-    trainer.model.eval()
-    try:
-        with torch.inference_mode():
-            loss, logits, labels = trainer.prediction_step(trainer.model, batch, False, None)
-    finally:
-        trainer.model.train(was_training)
-    names: list[str] = []
-    if trainer.compute_metrics is not None and logits is not None and labels is not None:
-        to_np = _to_numpy
-        results = trainer.compute_metrics(EvalPrediction(to_np(logits), to_np(labels)))
-        names = list(results or {})
-    return expected_keys(data, names, with_loss=loss is not None)
-
-
-def _to_numpy(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy()
-    if isinstance(value, list | tuple):
-        return type(value)(_to_numpy(v) for v in value)
-    return np.asarray(value)
-
-
-def check_metric_for_best_model(trainer: Any, metric: str) -> str:
-    """Raise before training when ``metric`` is not among the keys a dry evaluation produces."""
-    return check_metric_key(metric, dry_eval_keys(trainer))
+    if trainer.compute_metrics is None and not trainer.metric_plugins_added:
+        check_metric_key(metric, expected_keys(trainer.eval_data, (), with_loss=True))

@@ -145,6 +145,10 @@ class Trainer(Engine):
         for cb in callbacks or []:
             if _is_plugin(cb):
                 self.add_plugin(cb() if isinstance(cb, type) else cb)
+        # a trainbus plugin among the callbacks may add eval metrics: then only the first evaluation knows
+        self.metric_plugins_added = any(_is_plugin(cb) for cb in callbacks or [])
+        if args.metric_for_best_model is not None and self.eval_data is not None:
+            check_metric_for_best_model(self, args.metric_for_best_model)
         self.add_plugin(self.callback_handler)
         self.callback_handler.init_end(self)
 
@@ -351,8 +355,6 @@ class Trainer(Engine):
         if self.train_data is None:
             raise ConfigError("Trainer.train() needs a train_dataset")
         self.create_optimizer()
-        if self.args.metric_for_best_model is not None and self.eval_data is not None:
-            check_metric_for_best_model(self, self.args.metric_for_best_model)
         self.state = State()
         if resume_from_checkpoint:
             ckpt.resume(self, resume_from_checkpoint, self.args.output_dir)
