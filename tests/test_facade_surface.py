@@ -147,3 +147,105 @@ def test_save_total_limit_1_with_the_best_model_keeps_only_the_best_checkpoint_a
     assert seen[-1] == [2, 6]  # during training the newest stays beside the best, for resuming
     assert [step for step, _ in list_checkpoints(tmp_path)] == [2]
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+
+
+class Overriding(Trainer):
+    """Overrides every method the seeds show users overriding, with HF's signatures, and records the calls."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        self.calls.append(("create_optimizer", None))
+        return super().create_optimizer()
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        self.calls.append(("create_scheduler", num_training_steps))
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer or self.optimizer, lambda step: 1.0 / (1 + step)
+        )  # HF code assigns it
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self.calls.append(("create_optimizer_and_scheduler", num_training_steps))
+        super().create_optimizer_and_scheduler(num_training_steps)
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        if model.training:
+            self.calls.append(("compute_loss", int(num_items_in_batch)))
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
+        self.calls.append(("prediction_step", prediction_loss_only))
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> Any:
+        self.calls.append(("evaluate", metric_key_prefix))
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self.calls.append(("log", sorted(logs)))
+        super().log(logs, start_time)
+
+    def get_train_dataloader(self) -> Any:
+        self.calls.append(("get_train_dataloader", None))
+        return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        self.calls.append(("get_eval_dataloader", None))
+        return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        self.calls.append(("get_test_dataloader", None))
+        return super().get_test_dataloader(test_dataset)
+
+
+def test_every_method_hf_users_override_is_honoured_with_hf_signatures(tmp_path: Path) -> None:
+    args = _eval_args(
+        tmp_path, max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2, logging_steps=2
+    )
+    trainer = Overriding(Regressor(), args, train_dataset=regression_data(32), eval_dataset=regression_data(8, seed=1))
+    trainer.train()
+    names = [name for name, _ in trainer.calls]
+    assert names[:2] == ["get_train_dataloader", "get_eval_dataloader"]
+    assert ("create_optimizer_and_scheduler", 4) in trainer.calls and ("create_scheduler", 4) in trainer.calls
+    assert "create_optimizer" in names
+    # the subclass's scheduler is the one stepped: lr = 0.1 / (1 + steps taken)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 5)
+    # num_items_in_batch: the items of the whole accumulation window (2 micro-batches of 2 labels)
+    assert [value for name, value in trainer.calls if name == "compute_loss"] == [4] * 8
+    step_logs = [value for name, value in trainer.calls if name == "log" and "loss" in value]
+    assert step_logs == [["grad_norm", "learning_rate", "loss"]] * 2  # the per-step records too, without epoch
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [2, 4]
+    assert ("evaluate", "eval") in trainer.calls and ("prediction_step", True) in trainer.calls  # no compute_metrics
+    trainer.predict(regression_data(4, seed=2))
+    assert trainer.calls[-1][0] == "prediction_step" and ("get_test_dataloader", None) in trainer.calls
+
+
+def test_compute_loss_func_normalised_by_num_items_in_batch_matches_one_big_batch(tmp_path: Path) -> None:
+    def summed_over_items(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
+        return ((outputs["logits"] - labels) ** 2).sum() / num_items_in_batch
+
+    def run(batch: int, accumulation: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = Regressor().double()
+        data = [{"x": d["x"].double(), "labels": d["labels"].double()} for d in regression_data(24)]
+        args = quiet_args(
+            tmp_path / f"{batch}",
+            max_steps=3,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation,
+            learning_rate=0.1,
+            optim="sgd",
+            max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+        )
+        trainer = Trainer(model, args, train_dataset=data, compute_loss_func=summed_over_items)
+        trainer.train()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for one, accumulated in zip(run(8, 1), run(2, 4), strict=True):
+        torch.testing.assert_close(one, accumulated, rtol=1e-12, atol=1e-12)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from trainbus.engine import ConfigError, Engine, Plugin, State
+from trainbus.engine import ConfigError, Engine, Event, LogEvent, Plugin, Priority, State
 from trainbus.hooks import forward as default_forward
 from trainbus.hooks import get_labels, loss_from_outputs
 
@@ -37,6 +37,7 @@ from ..distributed.plugin import Distributed
 from ..distributed.processes import barrier
 from ..evaluation.collector import PredictionOutput, hf_prediction_step
 from ..observability.logging import TrainLogger
+from ..optimization.accumulation import GradientAccumulation, count_items
 from ..optimization.optimizers import create_optimizer, fused_adamw_supported
 from ..optimization.schedulers import LRScheduler, create_scheduler
 from .arguments import TrainingArguments
@@ -71,6 +72,10 @@ class Trainer(Engine):
         {...
         3
     """
+
+    #: HF: whether compute_loss's loss is already normalised over the accumulation window (None: only
+    #: when a compute_loss_func made it from num_items_in_batch); a subclass with its own loss may set it
+    loss_is_scaled_for_ga: bool | None = None
 
     def __init__(
         self,
@@ -181,17 +186,47 @@ class Trainer(Engine):
             self.set_hook("forward", self._forward_compute_loss)
             self.set_hook("compute_loss", lambda outputs, batch: outputs.loss)
         self.set_hook("prediction_step", self._prediction_step_hook)
+        if cls.log is not Trainer.log:
+            # after TrainLogger filled a logging point's record, before history and sinks read it
+            self.on(Event.LOG, self._log_through_override, priority=Priority.PRODUCER - 1, name="Trainer.log")
+
+    def _log_through_override(self, ev: LogEvent) -> None:
+        """A logging point's record goes through the subclass's ``log`` (HF calls ``self.log(logs, start_time)``)."""
+        if not ev.window or not ev.logs:
+            return
+        logs = {k: v for k, v in ev.logs.items() if k not in ("epoch", "num_input_tokens_seen")}  # log() adds them
+        ev.logs.clear()  # this payload is dropped; self.log fires the record anew
+        self.log(logs, None)
 
     def _forward_compute_loss(self, model: torch.nn.Module, batch: Any) -> Any:
         if not model.training and get_labels(batch, tuple(self.label_names)) is None:
             return default_forward(model, batch)  # HF's prediction_step: no labels, no compute_loss
-        result = self.compute_loss(model, batch, return_outputs=True)
+        items = self._num_items_in_batch(batch) if model.training else None
+        result = self.compute_loss(model, batch, return_outputs=True, num_items_in_batch=items)
         loss, outputs = result if isinstance(result, tuple) else (result, None)
         return _Computed(loss, outputs)
 
+    def _num_items_in_batch(self, batch: Any) -> Any:
+        """HF's ``num_items_in_batch``: the items (labels not -100) of this step's whole accumulation window.
+
+        Counted once per window by the accumulation plugin (across processes with
+        average_tokens_across_devices); without one, the items of this batch.
+        """
+        accumulation = self.get_plugin(GradientAccumulation)
+        if isinstance(accumulation, GradientAccumulation):
+            return accumulation.window_items
+        return count_items(batch, tuple(self.label_names))
+
+    def _loss_is_scaled_for_ga(self) -> bool:
+        """HF's rule: the user's loss is already normalised over the window when a compute_loss_func
+        made it (with num_items_in_batch), unless ``loss_is_scaled_for_ga`` says otherwise."""
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return self.compute_loss_func is not None
+
     def _forward_training_step(self, model: torch.nn.Module, batch: Any) -> Any:
         if model.training and torch.is_grad_enabled():
-            return _Computed(self.training_step(model, batch), None)
+            return _Computed(self.training_step(model, batch, self._num_items_in_batch(batch)), None)
         if type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None:
             return self._forward_compute_loss(model, batch)
         return _Computed(*Trainer.compute_loss(self, model, batch, return_outputs=True))
@@ -231,7 +266,8 @@ class Trainer(Engine):
         loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if isinstance(loss, tuple):
             loss = loss[0]
-        loss = loss / self.args.gradient_accumulation_steps
+        if not self._loss_is_scaled_for_ga():
+            loss = loss / self.args.gradient_accumulation_steps
         self.hooks.backward(loss)
         return loss.detach()
 
@@ -319,6 +355,13 @@ class Trainer(Engine):
         plugin = self.get_plugin(LRScheduler)
         return getattr(plugin, "scheduler", None)
 
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        """HF code assigns ``self.lr_scheduler = ...`` (in create_scheduler): the LRScheduler plugin steps it."""
+        old = self.pop_plugin(LRScheduler)
+        if scheduler is not None:
+            self.add_plugin(LRScheduler(scheduler, metric=getattr(old, "metric", "loss")))
+
     def create_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
             args = self.args
@@ -339,8 +382,7 @@ class Trainer(Engine):
                 str(args.lr_scheduler_type), optimizer or self.create_optimizer(), num_training_steps,
                 args.warmup_steps, args.warmup_ratio, args.lr_scheduler_kwargs,
             )  # fmt: skip
-            old = self.pop_plugin(LRScheduler)
-            self.add_plugin(LRScheduler(scheduler, metric=getattr(old, "metric", "loss")))  # type: ignore[arg-type]
+            self.lr_scheduler = scheduler
         return self.lr_scheduler
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
@@ -354,7 +396,13 @@ class Trainer(Engine):
             raise ConfigError(f"train() got unexpected arguments {sorted(kwargs)}; it takes resume_from_checkpoint")
         if self.train_data is None:
             raise ConfigError("Trainer.train() needs a train_dataset")
-        self.create_optimizer()
+        if self.overrides("create_scheduler") or self.overrides("create_optimizer_and_scheduler"):
+            self.create_optimizer_and_scheduler(num_training_steps=self._plan()[0])  # HF: a subclass's runs
+        else:
+            self.create_optimizer()
+        accumulation = self.get_plugin(GradientAccumulation)
+        if isinstance(accumulation, GradientAccumulation):
+            accumulation.prescaled = self._loss_is_scaled_for_ga()
         self.state = State()
         if resume_from_checkpoint:
             ckpt.resume(self, resume_from_checkpoint, self.args.output_dir)

@@ -110,6 +110,11 @@ class GradientAccumulation(Plugin):
         self._per_micro: list[tuple[Any, Any]] | None = None
         self._sync_off = contextlib.ExitStack()
         self._processes = 1
+        #: the items of the current window (on all ranks across processes): HF's ``num_items_in_batch``
+        self.window_items: Count = 0
+        #: the loss is already normalised over the window by user code that divides by
+        #: ``window_items`` (HF's ``loss_is_scaled_for_ga``): only the across-process factor applies
+        self.prescaled = False
 
     def attach(self, engine: Engine) -> None:
         engine.accumulation_steps = self.steps
@@ -145,7 +150,11 @@ class GradientAccumulation(Plugin):
             counts = [count_items(b, label_names) for b in event.batches]
         else:
             counts = [self.count_fn(b) for b in event.batches]
-        self._factors = window_factors(counts, self._processes)
+        if self.prescaled:
+            self.window_items = window_total(counts, self._processes)
+            self._factors = [float(self._processes)] * len(counts)  # DDP divides the summed gradients by W
+        else:
+            self._factors, self.window_items = window_factors(counts, self._processes, with_total=True)
         self._per_micro = None  # tensor weights are cast to the loss's device and dtype at the first LOSS
 
     def scale_loss(self, event: LossEvent) -> None:
@@ -189,7 +198,7 @@ class GradientAccumulation(Plugin):
         self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
 
 
-def window_factors(counts: Sequence[Count], num_processes: int = 1) -> list[float] | torch.Tensor:
+def window_factors(counts: Sequence[Count], num_processes: int = 1, *, with_total: bool = False) -> Any:
     """``n_i / N`` for each micro-batch of a window (``num_processes * n_i / N`` across processes).
 
     All counts ints (counted on the host or from shapes), one process: a list of Python floats, 0 for
@@ -197,23 +206,37 @@ def window_factors(counts: Sequence[Count], num_processes: int = 1) -> list[floa
     does with ``/ k``. Counts that live on an accelerator: without reading any value back, a float64
     tensor of the k weights there (float32 on mps, which has no float64), 0 where a micro-batch has
     no items. Across processes ``N`` is the window's items on all ranks: one all-reduce of the local
-    total.
+    total. ``with_total=True`` returns ``(factors, N)``.
     """
     if num_processes > 1:
-        return _factors_across_processes(counts, num_processes)
+        factors, total = _factors_across_processes(counts, num_processes)
+        return (factors, total) if with_total else factors
     try:
         stacked = torch.stack(counts)  # type: ignore[arg-type]  # the common case: tensors on one device
     except (TypeError, RuntimeError):  # ints among them, or tensors on several devices
         if all(isinstance(c, int) for c in counts):
-            total = sum(int(c) for c in counts)
-            return [int(c) / total if total else 0.0 for c in counts]
+            items = sum(int(c) for c in counts)
+            host = [int(c) / items if items else 0.0 for c in counts]
+            return (host, items) if with_total else host
         device = next(c.device for c in counts if isinstance(c, torch.Tensor))  # the first tensor's
         stacked = torch.stack([torch.as_tensor(c, device=device) for c in counts])
     stacked = stacked.float() if stacked.is_mps else stacked.double()
-    return stacked / stacked.sum().clamp_min(1.0)  # all-zero window: weights 0 instead of 0/0
+    total = stacked.sum()
+    factors = stacked / total.clamp_min(1.0)  # all-zero window: weights 0 instead of 0/0
+    return (factors, total) if with_total else factors
 
 
-def _factors_across_processes(counts: Sequence[Count], num_processes: int) -> torch.Tensor:
+def window_total(counts: Sequence[Count], num_processes: int = 1) -> Count:
+    """``N``: the window's items (on every rank across processes), an int when counted on the host."""
+    if num_processes > 1:
+        return _factors_across_processes(counts, num_processes)[1]
+    if all(isinstance(c, int) for c in counts):
+        return sum(int(c) for c in counts)
+    device = next(c.device for c in counts if isinstance(c, torch.Tensor))
+    return torch.stack([torch.as_tensor(c, device=device) for c in counts]).sum()
+
+
+def _factors_across_processes(counts: Sequence[Count], num_processes: int) -> tuple[torch.Tensor, torch.Tensor]:
     device = collective_device()
     if all(isinstance(c, int) for c in counts):
         host = torch.tensor(counts, dtype=torch.float64)
@@ -222,4 +245,4 @@ def _factors_across_processes(counts: Sequence[Count], num_processes: int) -> to
     else:
         local = torch.stack([torch.as_tensor(c, device=device) for c in counts]).double()
     total = all_reduce_sum(local.sum())
-    return local * (num_processes / total.clamp_min(1.0))  # DDP divides the summed gradients by W
+    return local * (num_processes / total.clamp_min(1.0)), total  # DDP divides the summed gradients by W
