@@ -249,3 +249,26 @@ def test_compute_loss_func_normalised_by_num_items_in_batch_matches_one_big_batc
 
     for one, accumulated in zip(run(8, 1), run(2, 4), strict=True):
         torch.testing.assert_close(one, accumulated, rtol=1e-12, atol=1e-12)
+
+
+def test_resume_true_skips_a_damaged_newest_checkpoint_with_a_warning(tmp_path: Path) -> None:
+    def trainer(max_steps: int) -> Trainer:
+        torch.manual_seed(0)
+        args = quiet_args(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2, learning_rate=0.1)
+        return Trainer(Regressor(), args, train_dataset=regression_data(32))
+
+    straight = trainer(6)
+    straight.train()
+    weights = tmp_path / "checkpoint-6" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-7])  # a crash or full disk truncated the newest
+    resumed = trainer(6)
+    with pytest.warns(UserWarning, match=r"damaged checkpoint .*checkpoint-6.*model.safetensors"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)  # steps 5 and 6 were redone from checkpoint-4, bit for bit
+    for step in (2, 4):  # every checkpoint damaged: a clear error, not a silent fresh start
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-6" / "model.safetensors").write_bytes(b"")
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match="every checkpoint .* is damaged"):
+        trainer(6).train(resume_from_checkpoint=True)

@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -239,12 +240,16 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 # -- load / resume --------------------------------------------------------------------------------
-def resolve_checkpoint(checkpoint: str | Path | bool, output_dir: str | Path | None) -> Path:
-    """A checkpoint path from ``resume_from_checkpoint`` (a path, or True for the latest complete one)."""
+def resolve_checkpoint(checkpoint: str | Path | bool, output_dir: str | Path | None, *, verify: bool = False) -> Path:
+    """A checkpoint path from ``resume_from_checkpoint`` (a path, or True for the latest complete one).
+
+    With ``verify``, True means the newest checkpoint whose files match their manifest: a damaged
+    newer one (a truncated or altered file) is skipped with a warning naming it, so nothing is lost.
+    """
     if checkpoint is True:
         if output_dir is None:
             raise ConfigError("resume_from_checkpoint=True needs an output_dir to search (or a Checkpointing plugin)")
-        latest = latest_checkpoint(output_dir)
+        latest = _newest_intact(output_dir) if verify else latest_checkpoint(output_dir)
         if latest is None:
             root = Path(output_dir)
             seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
@@ -261,14 +266,36 @@ def resolve_checkpoint(checkpoint: str | Path | bool, output_dir: str | Path | N
     return path
 
 
-def load_checkpoint(engine: Engine, path: str | Path) -> dict[str, Any]:
+def _newest_intact(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint whose files all match the manifest; damaged newer ones are warned about."""
+    found = list_checkpoints(output_dir)
+    for _, path in reversed(found):
+        try:
+            cio.read_manifest(path, verify=True)
+        except ConfigError as exc:
+            warnings.warn(
+                f"resume_from_checkpoint=True: skipping the damaged checkpoint {path} ({exc}); "
+                "resuming from the newest intact one before it",
+                stacklevel=2,
+            )
+            continue
+        return path
+    if found:
+        raise ConfigError(
+            f"resume_from_checkpoint=True: every checkpoint in {output_dir} is damaged (see the warnings)"
+        )
+    return None
+
+
+def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) -> dict[str, Any]:
     """Verify a checkpoint and restore model, optimizer, state and plugins into ``engine``.
 
     Returns the RNG states (not applied: ``resume`` applies them where the interrupted run was).
-    Reads only JSON and safetensors files listed in the verified manifest.
+    Reads only JSON and safetensors files listed in the verified manifest (``verify=False``: the
+    caller has just verified them).
     """
     directory = Path(path)
-    manifest = cio.read_manifest(directory, verify=True)
+    manifest = cio.read_manifest(directory, verify=verify)
     written_by = manifest.get("world_size", 1)
     if written_by != world_size():
         raise ConfigError(
@@ -315,8 +342,8 @@ def resume(engine: Engine, checkpoint: str | Path | bool, output_dir: str | Path
     if checkpoint is True and output_dir is None:
         plugin = engine.get_plugin(Checkpointing)
         output_dir = plugin.output_dir if isinstance(plugin, Checkpointing) else None
-    path = chosen_by_main(lambda: resolve_checkpoint(checkpoint, output_dir))
-    rng = load_checkpoint(engine, path)
+    path = chosen_by_main(lambda: resolve_checkpoint(checkpoint, output_dir, verify=True))
+    rng = load_checkpoint(engine, path, verify=checkpoint is not True)  # True: verified while choosing
     cio.set_rng_state(rng)
     _RestoreRng(engine, rng)
     logger.info("resumed from %s at global step %d", path, engine.state.global_step)
