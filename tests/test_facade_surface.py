@@ -272,3 +272,51 @@ def test_resume_true_skips_a_damaged_newest_checkpoint_with_a_warning(tmp_path: 
     (tmp_path / "checkpoint-6" / "model.safetensors").write_bytes(b"")
     with pytest.warns(UserWarning), pytest.raises(ConfigError, match="every checkpoint .* is damaged"):
         trainer(6).train(resume_from_checkpoint=True)
+
+
+def test_hf_utility_methods_report_what_the_run_has(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from tests.facade_helpers import tiny_bert, token_data
+
+    args = quiet_args(
+        tmp_path, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=0.01
+    )
+    trainer = Trainer(tiny_bert(), args, train_dataset=token_data(16), eval_dataset=token_data(6, seed=1))
+    model = trainer.model
+    with pytest.raises(ConfigError, match="no optimizer yet"):
+        trainer.get_learning_rates()
+    assert trainer.get_num_trainable_parameters() == sum(p.numel() for p in model.parameters())
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+    frozen = model.bert.embeddings.word_embeddings.weight.numel()
+    assert trainer.get_num_trainable_parameters() == sum(p.numel() for p in model.parameters()) - frozen
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(True)
+    assert trainer.get_total_train_batch_size(args) == 4
+    output = trainer.train()
+    assert trainer.get_learning_rates() == [g["lr"] for g in trainer.optimizer.param_groups]
+    classifier = trainer.get_optimizer_group("classifier.weight")
+    assert any(p is model.classifier.weight for p in classifier["params"])
+    assert trainer.get_optimizer_group() is trainer.optimizer.param_groups
+    # a real total_flos: the model's own estimate summed over the 6 micro-batches of 2 x 8 tokens
+    per_batch = 6 * 2 * 8 * model.num_parameters(exclude_embeddings=True)  # HF's estimate
+    assert trainer.state.total_flos == output.metrics["total_flos"] == 6 * per_batch > 0
+
+    trainer.log_metrics("train", output.metrics)
+    printed = capsys.readouterr().out
+    assert "***** train metrics *****" in printed and "train_loss" in printed and "GF" in printed
+    trainer.save_metrics("train", output.metrics)
+    trainer.save_metrics("eval", {"eval_loss": 0.5})
+    assert json.loads((tmp_path / "train_results.json").read_text())["train_loss"] == output.training_loss
+    assert set(json.loads((tmp_path / "all_results.json").read_text())) == {*output.metrics, "eval_loss"}
+    trainer.save_state()
+    saved = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert saved["global_step"] == 3 and saved["total_flos"] == trainer.state.total_flos
+
+    loader = trainer.get_eval_dataloader()
+    loop = trainer.evaluation_loop(loader, "Evaluation", metric_key_prefix="val")
+    assert loop.num_samples == 6 and loop.predictions.shape == (6, 2) and "val_loss" in loop.metrics
+    assert trainer.prediction_loop(loader, "Prediction", prediction_loss_only=True).predictions is None
+    with trainer.compute_loss_context_manager(), trainer.autocast_smart_context_manager():
+        pass
+    batches, items = trainer.get_batch_samples(iter(trainer.get_train_dataloader()), 3, torch.device("cpu"))
+    assert len(batches) == 3 and items == 6  # one label per sequence, 2 sequences per batch

@@ -47,9 +47,10 @@ from .composition import TrainOutput, build_plugins, check_metric_for_best_model
 from .model_card import write_model_card
 from .search import hyperparameter_search as _hyperparameter_search
 from .search import takes_trial
+from .utilities import TrainerUtilities
 
 
-class Trainer(Engine):
+class Trainer(TrainerUtilities, Engine):
     """HF's ``Trainer`` API over a trainbus Engine; every feature is a plugin chosen from ``args``.
 
     Args mirror ``transformers.Trainer``. ``callbacks`` may mix HF-style callbacks (instances or
@@ -155,6 +156,7 @@ class Trainer(Engine):
         if args.metric_for_best_model is not None and self.eval_data is not None:
             check_metric_for_best_model(self, args.metric_for_best_model)
         self.add_plugin(self.callback_handler)
+        self._count_flos_when_known()
         self.callback_handler.init_end(self)
 
     # -- composition helpers ----------------------------------------------------------------------
@@ -404,6 +406,7 @@ class Trainer(Engine):
         if isinstance(accumulation, GradientAccumulation):
             accumulation.prescaled = self._loss_is_scaled_for_ga()
         self.state = State()
+        self.current_flos, self._non_embedding_parameters = 0.0, None
         if resume_from_checkpoint:
             ckpt.resume(self, resume_from_checkpoint, self.args.output_dir)
         state = self.fit()
@@ -469,14 +472,6 @@ class Trainer(Engine):
                 write_model_card(self, output_dir)  # README.md next to the model (after peft's, which it replaces)
         finally:
             barrier()  # every rank returns once the model is on disk
-
-    def is_world_process_zero(self) -> bool:
-        """Whether this is the main process of all machines (HF)."""
-        return self.args.process_index == 0
-
-    def is_local_process_zero(self) -> bool:
-        """Whether this is the main process of its machine (HF)."""
-        return self.args.local_process_index == 0
 
     @property
     def model_wrapped(self) -> torch.nn.Module:

@@ -1,0 +1,248 @@
+"""The public helper methods of HF's ``Trainer`` that scripts call (the seeds' method index, "utilities").
+
+A mixin of ``Trainer``: each method has HF's name, signature and behaviour, over trainbus's engine.
+Only the main process writes files or prints (as HF).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainbus.engine import ConfigError, Event, Priority
+
+from ..distributed.processes import all_reduce_sum, collective_device, world_size
+from ..evaluation.collector import EvalLoopOutput
+from ..optimization.accumulation import count_items
+
+if TYPE_CHECKING:
+    from trainbus.engine import Payload
+
+
+class TrainerUtilities:
+    """HF ``Trainer`` methods for scripts: learning rates, parameter counts, FLOs, metrics files, loops."""
+
+    # provided by Trainer / Engine
+    args: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    state: Any
+    label_names: Any
+    current_flos: float = 0.0
+    _non_embedding_parameters: int | None = None
+
+    # -- optimizer and parameters ------------------------------------------------------------------
+    def _need_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise ConfigError("the Trainer has no optimizer yet: call create_optimizer() or train() first")
+        return self.optimizer
+
+    def get_learning_rates(self) -> list[float]:
+        """The learning rate of each optimizer parameter group (HF)."""
+        return [float(group["lr"]) for group in self._need_optimizer().param_groups]
+
+    def get_num_trainable_parameters(self) -> int:
+        """Elements of the parameters that require a gradient (HF)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def get_optimizer_group(self, param: str | torch.nn.Parameter | None = None) -> Any:
+        """The optimizer group holding ``param`` (a parameter or its name), or all groups (HF)."""
+        optimizer = self._need_optimizer()
+        if param is None:
+            return optimizer.param_groups
+        if isinstance(param, str):
+            named = dict(self.model.named_parameters())
+            if param not in named:
+                raise ConfigError(f"the model has no parameter named {param!r}")
+            param = named[param]
+        for group in optimizer.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise ConfigError("that parameter is in no optimizer group (is it frozen?)")
+
+    def get_total_train_batch_size(self, args: Any = None) -> int:
+        """Samples per optimizer step over all processes: per-device batch x accumulation x processes (HF)."""
+        args = self.args if args is None else args
+        return int(args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size)
+
+    # -- floating point operations ----------------------------------------------------------------
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """FLOs of one forward and backward on ``inputs`` (HF): the model's own ``floating_point_ops`` if it has
+        one, else for transformers models 6 x main-input elements x non-embedding parameters, else 0."""
+        model: Any = self.model
+        own = getattr(model, "floating_point_ops", None)
+        if callable(own):
+            return int(own(inputs))
+        main_input = getattr(model, "main_input_name", "input_ids")
+        if main_input not in inputs or not callable(getattr(model, "num_parameters", None)):
+            return 0
+        if self._non_embedding_parameters is None:  # counted once: HF walks every parameter per batch
+            self._non_embedding_parameters = int(model.num_parameters(exclude_embeddings=True))
+        return 6 * int(inputs[main_input].numel()) * self._non_embedding_parameters
+
+    def store_flos(self) -> None:
+        """Add the FLOs counted since the last call to ``state.total_flos`` (summed over processes, as HF)."""
+        flos, self.current_flos = self.current_flos, 0.0
+        if world_size() > 1:
+            flos = float(all_reduce_sum(torch.tensor(flos, dtype=torch.float64, device=collective_device())).item())
+        self.state.total_flos += flos
+
+    def _count_flos_when_known(self) -> None:
+        """Count FLOs per micro-batch only when there is an estimate (HF counts for transformers models)."""
+        model = self.model
+        estimate = callable(getattr(model, "floating_point_ops", None)) or callable(
+            getattr(model, "num_parameters", None)
+        )
+        if not estimate and type(self).floating_point_ops is TrainerUtilities.floating_point_ops:
+            return
+        engine: Any = self
+        engine.on(Event.LOSS, self._add_flos, name="Trainer.floating_point_ops")
+        for event in (Event.LOG, Event.SAVE, Event.TRAIN_END):  # before logs, checkpoints and train metrics read it
+            engine.on(event, self._store_flos_handler, priority=Priority.FIRST, name="Trainer.store_flos")
+
+    def _add_flos(self, ev: Any) -> None:
+        if isinstance(ev.batch, dict):
+            self.current_flos += float(self.floating_point_ops(ev.batch))  # shapes only: no host sync
+
+    def _store_flos_handler(self, ev: Payload) -> None:
+        self.store_flos()
+
+    # -- metrics and state files -----------------------------------------------------------------
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` as HF does (``***** train metrics *****``, aligned, humanised), main process only."""
+        if not self.is_world_process_zero():
+            return
+        print(f"***** {split} metrics *****")
+        shown = format_metrics(metrics)
+        if not shown:
+            return
+        key_width = max(len(str(k)) for k in shown)
+        value_width = max(len(str(v)) for v in shown.values())
+        for key in sorted(shown):
+            print(f"  {key: <{key_width}} = {shown[key]:>{value_width}}")
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """Write ``{split}_results.json`` in output_dir and merge into ``all_results.json`` (HF), main process only."""
+        if not self.is_world_process_zero():
+            return
+        root = Path(self.args.output_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        _write_json(root / f"{split}_results.json", metrics)
+        if combined:
+            everything = root / "all_results.json"
+            merged = json.loads(everything.read_text(encoding="utf-8")) if everything.exists() else {}
+            merged.update(metrics)
+            _write_json(everything, merged)
+
+    def save_state(self) -> None:
+        """Write ``trainer_state.json`` in output_dir (HF; save_model saves only the model), main process only."""
+        if not self.is_world_process_zero():
+            return
+        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+        self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
+
+    # -- loops and contexts -----------------------------------------------------------------------
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
+        """One pass over ``dataloader`` collecting predictions, labels and ``{metric_key_prefix}_*`` metrics (HF)."""
+        from trainbus.engine import Engine
+
+        trainer: Any = self
+        loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        out = trainer._with(loss_only, ignore_keys, lambda: Engine.predict(trainer, dataloader))
+        metrics = {
+            f"{metric_key_prefix}_{key[5:]}" if key.startswith("test_") else key: value
+            for key, value in (out.metrics or {}).items()
+        }
+        try:
+            samples = len(dataloader.dataset)
+        except (AttributeError, TypeError):
+            samples = _count_samples(out.predictions if out.predictions is not None else out.label_ids)
+        return EvalLoopOutput(out.predictions, out.label_ids, metrics, samples)
+
+    #: HF's legacy name for the same loop
+    prediction_loop = evaluation_loop
+
+    def compute_loss_context_manager(self) -> contextlib.ExitStack[Any]:
+        """The contexts compute_loss runs in (HF); autocast is the MixedPrecision plugin's, so none here."""
+        stack = contextlib.ExitStack()
+        autocast = self.autocast_smart_context_manager()
+        if not isinstance(autocast, contextlib.nullcontext):
+            stack.enter_context(autocast)
+        return stack
+
+    def autocast_smart_context_manager(
+        self, cache_enabled: bool | None = True
+    ) -> contextlib.AbstractContextManager[Any]:
+        """HF returns a null context and lets accelerate autocast; trainbus's MixedPrecision plugin does."""
+        return contextlib.nullcontext()
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: Any = None
+    ) -> tuple[list, Any]:
+        """Up to ``num_batches`` batches and their items (labels not -100) summed: HF's ``num_items_in_batch``."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batches:
+            return batches, None
+        counts = [count_items(batch, tuple(self.label_names)) for batch in batches]
+        items: Any = sum(counts[1:], counts[0])
+        if world_size() > 1 and self.args.average_tokens_across_devices:
+            items = all_reduce_sum(torch.as_tensor(items, device=collective_device()))
+        if device is not None and isinstance(items, torch.Tensor):
+            items = items.to(device)
+        return batches, items
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the main process of all machines (HF)."""
+        return bool(self.args.process_index == 0)
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the main process of its machine (HF)."""
+        return bool(self.args.local_process_index == 0)
+
+
+def format_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """HF's ``metrics_format``: memory in MB, runtimes as h:mm:ss, total_flos in GF, floats to 4 places."""
+    shown: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if "_mem_" in key and isinstance(value, int | float):
+            shown[key] = f"{int(value) >> 20}MB"
+        elif "_runtime" in key and isinstance(value, int | float):
+            shown[key] = str(datetime.timedelta(seconds=int(abs(value)))) + f".{int(abs(value) % 1 * 100):02d}"
+        elif key == "total_flos" and isinstance(value, int | float):
+            shown[key] = f"{int(value) >> 30}GF"
+        elif isinstance(value, float):
+            shown[key] = round(value, 4)
+        else:
+            shown[key] = value
+    return shown
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=4, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)  # a crash leaves the old file, never half of the new one
+
+
+def _count_samples(value: Any) -> int:
+    if isinstance(value, list | tuple):
+        return _count_samples(value[0]) if value else 0
+    return len(value) if value is not None else 0
