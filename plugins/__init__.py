@@ -21,6 +21,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "facade.composition": ("TrainOutput", "build_plugins", "set_seed"),
     "facade.callbacks": ("TrainerCallback", "CallbackAdapter", "EarlyStoppingCallback"),
     # data
+    "data.length_grouping": ("LengthGroupedEpochSampler", "train_sampler"),
     "data.loading": (
         "default_data_collator",
         "DataCollatorWithPadding",
@@ -39,13 +40,17 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "OptimizerSetup",
         "OPTIMIZER_NAMES",
     ),
+    "optimization.optimizer_modes": ("ScheduleFreeModes", "FusedBackward"),
     "optimization.schedulers": ("create_scheduler", "LRScheduler", "SCHEDULER_NAMES"),
     "optimization.accumulation": ("GradientAccumulation", "count_items"),
     "optimization.clipping": ("GradientClipping",),
     "optimization.precision": ("MixedPrecision",),
+    "optimization.nonfinite": ("SkipNonFinite",),
     "evaluation.half_eval": ("HalfPrecisionEval",),
     "optimization.regularization": ("LabelSmoothing", "NEFTune"),
     "optimization.model_setup": ("GradientCheckpointing", "TorchCompile"),
+    "optimization.device_settings": ("TF32", "EmptyDeviceCache"),
+    "optimization.liger": ("LigerKernel",),
     # processes
     "distributed.plugin": ("Distributed",),
     "distributed.sharding": ("ShardedBatchSampler", "shard_train_loader", "shard_eval_loader"),
@@ -62,9 +67,12 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # run control and observability
     "control.flow": ("FlowControl",),
     "observability.logging": ("TrainLogger", "ConsoleSink"),
+    "observability.memory": ("MemoryMetrics",),
+    "observability.debug": ("UnderflowOverflowDebug",),
     "observability.progress": ("ProgressBars", "Printer"),
     "observability.plots": ("PlotCurves", "plot_run"),
     "observability.sinks": ("JsonlSink", "CsvSink", "TensorBoardSink"),
+    "observability.trackers": ("WandbSink", "MLflowSink", "TrackioSink"),
     # checkpoints
     "checkpoints.checkpoint": (
         "Checkpointing",

@@ -98,7 +98,6 @@ def test_eval_steps_fall_back_to_logging_steps() -> None:
         ({"include_num_input_tokens_seen": "some"}, "include_num_input_tokens_seen"),
         ({"max_steps": 0}, "max_steps"),
         ({"save_strategy": "best"}, "metric_for_best_model"),
-        ({"ignore_data_skip": True}, "not supported by trainbus yet"),
     ],
 )
 def test_bad_values(kwargs: dict[str, Any], match: str) -> None:

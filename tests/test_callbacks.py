@@ -243,13 +243,17 @@ def test_our_early_stopping_callback_matches(tmp_path: Any) -> None:
     assert trainer.train().global_step == 3
 
 
-def test_early_stopping_counter_is_checkpointed() -> None:
+def test_early_stopping_counter_is_checkpointed_and_restored_when_asked(tmp_path: Any) -> None:
     adapter = CallbackAdapter([EarlyStoppingCallback(3)])
     adapter.callbacks[0].early_stopping_patience_counter = 2
     saved = adapter.state_dict()
-    fresh = CallbackAdapter([EarlyStoppingCallback(3)])
+    asked = quiet_args(tmp_path, restore_callback_states_from_checkpoint=True)
+    fresh = CallbackAdapter([EarlyStoppingCallback(3)], asked)
     fresh.load_state_dict(saved)
     assert fresh.callbacks[0].early_stopping_patience_counter == 2
+    default = CallbackAdapter([EarlyStoppingCallback(3)], quiet_args(tmp_path))
+    default.load_state_dict(saved)  # HF's default: callback states start afresh on resume
+    assert default.callbacks[0].early_stopping_patience_counter == 0
 
 
 def test_transformers_printer_and_progress_callbacks_run(tmp_path: Any) -> None:

@@ -210,7 +210,7 @@ def _rewrite_manifest(directory: Path) -> None:
 
 
 CORRUPTIONS = [
-    ("model.safetensors", _flip_byte, False, r"model\.safetensors does not match its sha256"),
+    ("model.safetensors", _flip_byte, False, r"model\.safetensors does not match its xxh3_128"),
     ("optimizer.safetensors", _truncate, False, r"optimizer\.safetensors has \d+ bytes, the manifest says"),
     ("plugins.json", lambda p: p.unlink(), False, r"plugins\.json listed in .* is missing"),
     ("manifest.json", lambda p: p.write_text("{not json"), False, r"manifest\.json is not valid JSON"),

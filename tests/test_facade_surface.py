@@ -270,7 +270,7 @@ def test_resume_true_skips_a_damaged_newest_checkpoint_with_a_warning(tmp_path: 
     for step in (2, 4):  # every checkpoint damaged: a clear error, not a silent fresh start
         (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     (tmp_path / "checkpoint-6" / "model.safetensors").write_bytes(b"")
-    with pytest.warns(UserWarning), pytest.raises(ConfigError, match="every checkpoint .* is damaged"):
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match=r"every checkpoint .* is damaged"):
         trainer(6).train(resume_from_checkpoint=True)
 
 
@@ -320,3 +320,50 @@ def test_hf_utility_methods_report_what_the_run_has(tmp_path: Path, capsys: pyte
         pass
     batches, items = trainer.get_batch_samples(iter(trainer.get_train_dataloader()), 3, torch.device("cpu"))
     assert len(batches) == 3 and items == 6  # one label per sequence, 2 sequences per batch
+
+
+class _FakeProcesses:
+    """What accelerate's PartialState tells TrainingArguments, for a rank of a multi-node run."""
+
+    def __init__(self, process_index: int, local_process_index: int) -> None:
+        self.num_processes, self.process_index, self.local_process_index = 4, process_index, local_process_index
+
+
+def test_log_level_follows_log_on_each_node_as_hf(tmp_path: Path) -> None:
+    import logging
+
+    def level(process: int, local: int, **kwargs: Any) -> int:
+        args = quiet_args(tmp_path, log_level="info", log_level_replica="error", **kwargs)
+        args.__dict__["_processes"] = _FakeProcesses(process, local)
+        return args.get_process_log_level()
+
+    assert level(0, 0) == logging.INFO
+    assert level(2, 0) == logging.INFO  # the main process of the second node logs, by default
+    assert level(2, 0, log_on_each_node=False) == logging.ERROR  # only the world's main process does
+    assert level(3, 1) == logging.ERROR
+    root = logging.getLogger("trainbus")
+    before = root.level
+    try:
+        Trainer(Regressor(), quiet_args(tmp_path, log_level="error", max_steps=1), train_dataset=regression_data(4))
+        assert root.level == logging.ERROR
+    finally:
+        root.setLevel(before)
+    with pytest.raises(ConfigError, match="log_level must be one of"):
+        quiet_args(tmp_path, log_level="loud")
+
+
+def test_hf_planning_and_parameter_helpers(tmp_path: Path) -> None:
+    args = quiet_args(tmp_path, num_train_epochs=2, per_device_train_batch_size=4, gradient_accumulation_steps=3)
+    trainer = Trainer(Regressor(), args, train_dataset=regression_data(30))
+    loader = trainer.get_train_dataloader()  # 8 batches: 3 optimizer steps per epoch
+    assert trainer.set_initial_training_values(args, loader) == (2, 3, 30, 60, 12, 8, 6)
+    args.max_steps = 4
+    assert trainer.set_initial_training_values(args, loader) == (2, 3, 30, 48, 12, 8, 4)
+    assert trainer.get_decay_parameter_names(trainer.model) == ["lin.weight"]  # biases never decay
+    assert trainer.get_tp_size() == 1 and trainer.tokenizer is None
+    assert trainer.metrics_format({"train_runtime": 3725.5, "total_flos": 3 * 2**30}) == {
+        "train_runtime": "1:02:05.50",
+        "total_flos": "3GF",
+    }
+    with pytest.raises(ConfigError, match="never uploads"):
+        trainer.push_to_hub()

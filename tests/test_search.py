@@ -136,9 +136,9 @@ def test_an_unknown_hyperparameter_name_is_an_error_naming_it(tmp_path: Path, op
     trainer = make_trainer(tmp_path)
 
     def misspelt(trial: Any) -> dict[str, Any]:
-        return {"learning_rat": trial.suggest_float("lr", 1e-3, 1e-2), "deepspeed": "ds.json", "seed": 3}
+        return {"learning_rat": trial.suggest_float("lr", 1e-3, 1e-2), "push_to_hub": True, "seed": 3}
 
-    with pytest.raises(ConfigError, match=r"'learning_rat'; did you mean 'learning_rate'.*'deepspeed'") as info:
+    with pytest.raises(ConfigError, match=r"'learning_rat'; did you mean 'learning_rate'.*'push_to_hub'") as info:
         hyperparameter_search(trainer, hp_space=misspelt, n_trials=1)
     assert "'seed'" not in str(info.value)
 

@@ -11,7 +11,7 @@ A checkpoint is a directory ``output_dir/checkpoint-{global_step}`` holding, wit
 - ``rng.json`` + ``rng.safetensors``: Python, numpy, torch CPU (and CUDA) generator states; with
   W processes one pair per rank, ``rng-{rank}.*`` (all written by rank 0, which gathers them);
 - ``trainer_state.json``: ``engine.state.to_json()``;
-- ``manifest.json``, written last: every file's size and sha256.
+- ``manifest.json``, written last: every file's size and hash (xxh3_128; sha256 in older checkpoints).
 
 It is written into ``checkpoint-{step}.tmp-{pid}``, fsynced and renamed, so a crash leaves
 either the complete checkpoint or a temporary directory that nothing reads (K3). Across processes
@@ -47,6 +47,14 @@ from ..distributed.processes import barrier, broadcast_from_main, gather_to_main
 from . import io as cio
 from .frozen import base_fingerprint, check_base, trainable_state_dict
 from .io import load_model_weights, save_model
+from .sharded import (
+    SHARDED,
+    load_model_shards,
+    load_shards,
+    save_sharded_checkpoint,
+    saved_by_every_rank,
+    world_size_error,
+)
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -181,6 +189,8 @@ def save_checkpoint(
     rng_states = [cio.rng_state()] if rng_states is None else list(rng_states)
     if engine.optimizer is None:
         raise ConfigError("save_checkpoint needs engine.optimizer: a checkpoint without it cannot resume")
+    if saved_by_every_rank(engine.model):
+        raise ConfigError("an FSDP or DeepSpeed model is saved by every rank: use save_sharded_checkpoint")
     state = engine.state
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -194,21 +204,22 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
         frozen_base = base_fingerprint(engine.model)
+        weights = tmp / "model.safetensors"
         if frozen_base is None:
-            cio.save_weights(engine.model, tmp / "model.safetensors")
+            written = cio.save_weights(engine.model, weights)
         else:  # a frozen base: only what trains, the base known by its fingerprint
-            cio.write_tensors(tmp / "model.safetensors", trainable_state_dict(engine.model))
-        files = ["model.safetensors"]
-        files += cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
-        files += cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
+            written = cio.write_tensors(weights, trainable_state_dict(engine.model))
+        files = {weights.name: written}  # file name -> manifest entry: size, and the hash taken as it was written
+        files |= cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
+        files |= cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
         for stem, rng in zip(rng_file_stems(len(rng_states)), rng_states, strict=True):
-            files += cio.write_bundle(tmp, stem, rng)
-        cio.write_text(tmp / "trainer_state.json", state.to_json())
-        files.append("trainer_state.json")
+            files |= cio.write_bundle(tmp, stem, rng)
+        files["trainer_state.json"] = cio.write_text(tmp / "trainer_state.json", state.to_json())
         processes = {"world_size": len(rng_states)} if len(rng_states) > 1 else {}
         base = {"frozen_base": frozen_base} if frozen_base is not None else {}
-        cio.write_manifest(tmp, files, {"global_step": state.global_step, **processes, **base, **(info or {})})
-        cio.fsync_path(tmp)
+        listed = {"global_step": state.global_step, **processes, **base, **(info or {})}
+        cio.write_manifest(tmp, files, listed, entries=files)
+        cio.sync_files(tmp, [*files, cio.MANIFEST])  # every file and tmp's entries durable before the rename
         _publish(tmp, final)
     except BaseException:
         state.best_model_checkpoint = previous_best
@@ -295,23 +306,31 @@ def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) ->
     caller has just verified them).
     """
     directory = Path(path)
-    manifest = cio.read_manifest(directory, verify=verify)
+    manifest = cio.read_manifest(directory, verify=False)
+    sharded = SHARDED in manifest  # FSDP: every rank checks and reads only its own slices (sharded.py)
+    if verify and not sharded:
+        cio.read_manifest(directory, verify=True)
     written_by = manifest.get("world_size", 1)
     if written_by != world_size():
         raise ConfigError(
-            f"checkpoint {directory} was written by {written_by} process(es) but this run has {world_size()}: "
+            world_size_error(directory, written_by)
+            if sharded
+            else f"checkpoint {directory} was written by {written_by} process(es) but this run has {world_size()}: "
             f"resume it with {written_by} (each rank's RNG states and data share depend on it)"
         )
     if engine.optimizer is None:
         raise ConfigError("resuming needs engine.optimizer: pass it to the Engine or attach the optimizer plugin first")
-    weights = directory / "model.safetensors"
-    frozen = check_base(engine.model, manifest.get("frozen_base"), str(directory))
-    cio.load_weights(engine.model, cio.read_tensors(weights), str(weights), may_lack=frozen)
-    optimizer_state = cio.read_bundle(directory, "optimizer")
-    try:
-        engine.optimizer.load_state_dict(optimizer_state)
-    except (ValueError, KeyError, RuntimeError) as exc:
-        raise ConfigError(f"{directory / 'optimizer.json'} does not fit engine.optimizer: {exc}") from exc
+    if sharded:
+        load_shards(engine, directory, verify=verify)
+    else:
+        weights = directory / "model.safetensors"
+        frozen = check_base(engine.model, manifest.get("frozen_base"), str(directory))
+        cio.load_weights(engine.model, cio.read_tensors(weights), str(weights), may_lack=frozen)
+        optimizer_state = cio.read_bundle(directory, "optimizer")
+        try:
+            engine.optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise ConfigError(f"{directory / 'optimizer.json'} does not fit engine.optimizer: {exc}") from exc
     state_path = directory / "trainer_state.json"
     try:
         state = State.load_from_json(state_path)
@@ -504,21 +523,25 @@ class Checkpointing(Plugin):
                 _delete(path)
 
     def save(self, payload: SaveEvent) -> None:
-        """The SAVE handler: write the checkpoint (main process only) and rotate."""
+        """The SAVE handler: write the checkpoint (main process only; every rank its slices under FSDP) and rotate."""
         engine = payload.engine
         rng_states = gather_to_main(cio.rng_state())  # every rank's, on rank 0 (a collective: all ranks call it)
         final = self.output_dir / f"{PREFIX}{engine.state.global_step}"
+        main = rank() == 0 and engine.state.is_world_process_zero
+        info: dict[str, Any] = {}
+        if self.best_metric_key is not None:
+            info["metric"] = {"key": self.best_metric_key, "value": self.last_metric}
         try:
-            if rank() == 0 and engine.state.is_world_process_zero:
-                info: dict[str, Any] = {}
-                if self.best_metric_key is not None:
-                    info["metric"] = {"key": self.best_metric_key, "value": self.last_metric}
+            if saved_by_every_rank(engine.model):  # FSDP / DeepSpeed: every rank writes its own part
+                save_sharded_checkpoint(engine, self.output_dir, info=info, rng_states=rng_states)
+            elif main:
                 save_checkpoint(engine, self.output_dir, info=info, rng_states=rng_states)
+            if main:
                 self._written = [path for path in self._written if path != final] + [final]
                 rotate_checkpoints(
                     self.output_dir, self.save_total_limit, engine.state.best_model_checkpoint, self._written
                 )
-            elif engine.state.best_global_step == engine.state.global_step:
+            elif engine.state.best_global_step == engine.state.global_step and not saved_by_every_rank(engine.model):
                 engine.state.best_model_checkpoint = str(final)  # as rank 0 records it
         finally:
             barrier()  # no rank reads (resume, best model) before the checkpoint is complete
@@ -545,6 +568,10 @@ class LoadBestModelAtEnd(Plugin):
             logger.warning("load_best_model_at_end: no best checkpoint was recorded; keeping the last weights")
             return
         directory = Path(best)
+        if SHARDED in cio.read_manifest(directory, verify=False):  # FSDP: every rank loads its own slices
+            load_model_shards(engine.model, directory)
+            logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)
+            return
         manifest = cio.read_manifest(directory, verify=True)
         weights = directory / "model.safetensors"
         frozen = check_base(engine.model, manifest.get("frozen_base"), str(directory))

@@ -46,7 +46,7 @@ def base_fingerprint(model: torch.nn.Module) -> dict[str, Any] | None:
     for name, tensor in sorted(frozen.items()):
         data = tensor.detach().to("cpu").contiguous()
         digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
-        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's own bytes, not a copy
         elements += data.numel()
     fingerprint = {"algorithm": "sha256", "parameters": len(frozen), "elements": elements, "digest": digest.hexdigest()}
     _CACHE[model] = (key, fingerprint)

@@ -5,11 +5,13 @@
 * ``DataCollatorWithPadding``: pads with a tokenizer-like ``processing_class.pad``.
 * ``EpochSampler``: a shuffle seeded by ``seed + epoch``: the same order for an epoch in any process.
 * ``ResumableData``: a plugin whose ``epoch_iterator`` skips already-consumed batches in the batch
-  sampler, so a mid-epoch resume does not load them (D3).
+  sampler, so a mid-epoch resume does not load them (D3); with ``ignore_data_skip=True`` the resumed
+  epoch starts again from its first batch instead (HF's ``ignore_data_skip``).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -18,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler, default_collate
 
-from trainbus.engine import ConfigError, Plugin
+from trainbus.engine import ConfigError, Event, Plugin, Priority
 
 if TYPE_CHECKING:
-    from trainbus.engine import Engine
+    from trainbus.engine import Engine, TrainStartEvent
 
 Collator = Callable[[list[Any]], Any]
 
@@ -207,6 +209,7 @@ def skip_first_batches(loader: DataLoader[Any], skip: int) -> DataLoader[Any]:
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
         worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context if loader.num_workers > 0 else None,
         persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
     )
@@ -232,10 +235,44 @@ def resumable_epoch_iterator(data: Iterable[Any], epoch: int, skip_batches: int)
 
 
 class ResumableData(Plugin):
-    """Makes ``epoch_iterator`` skip consumed batches in the sampler (D3); stateless."""
+    """Makes ``epoch_iterator`` skip consumed batches in the sampler (D3); stateless.
+
+    Args:
+        ignore_data_skip: on a mid-epoch resume, start the interrupted epoch again from its first
+            batch instead of skipping the batches it had consumed (HF's ``ignore_data_skip``: a
+            faster resume that does not reproduce the uninterrupted run). The step count goes on
+            from the checkpoint, so the run still ends at its ``max_steps``.
+    """
+
+    def __init__(self, ignore_data_skip: bool = False) -> None:
+        self.ignore_data_skip = ignore_data_skip
 
     def attach(self, engine: Engine) -> None:
         self.wrap_hook(engine, "epoch_iterator", lambda inner: resumable_epoch_iterator)
+        if self.ignore_data_skip:
+            # first: every other TRAIN_START handler sees the epoch restarted
+            self.on(engine, Event.TRAIN_START, self._restart_epoch, priority=Priority.FIRST)
+
+    def _restart_epoch(self, ev: TrainStartEvent) -> None:
+        state = ev.engine.state
+        if state.batches_in_epoch:
+            state.batches_in_epoch = 0
+            state.epoch_step = 0
+            state.epoch = float(state.epochs_completed)
+
+
+def check_multiprocessing_context(context: str | None, num_workers: int) -> None:
+    """Raise ``ConfigError`` unless ``context`` is None or a start method this platform has, with workers."""
+    if context is None:
+        return
+    methods = torch.multiprocessing.get_all_start_methods()
+    if context not in methods:
+        raise ConfigError(f"dataloader_multiprocessing_context must be one of {methods} or None, got {context!r}")
+    if num_workers <= 0:
+        raise ConfigError(
+            f"dataloader_multiprocessing_context={context!r} is the start method of worker processes, but "
+            "dataloader_num_workers=0 loads in the main process: set dataloader_num_workers > 0 or leave it None"
+        )
 
 
 def build_dataloader(
@@ -250,21 +287,36 @@ def build_dataloader(
     pin_memory: bool = False,
     persistent_workers: bool = False,
     prefetch_factor: int | None = None,
+    multiprocessing_context: str | None = None,
+    sampler: Sampler[int] | None = None,
 ) -> DataLoader[Any]:
-    """A DataLoader with an ``EpochSampler`` when shuffling a map-style dataset (iterables keep their order)."""
+    """A DataLoader with an ``EpochSampler`` when shuffling a map-style dataset (iterables keep their order).
+
+    ``sampler`` replaces that choice (e.g. a ``LengthGroupedEpochSampler``); ``multiprocessing_context``
+    is the workers' start method ("fork", "spawn", "forkserver") when ``num_workers > 0``.
+    """
     if isinstance(dataset, DataLoader):
         return dataset
     iterable = isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
-    sampler: Sampler[int] | None = None
-    if not iterable:
+    if iterable:
+        if sampler is not None:
+            raise ConfigError(f"a sampler needs a map-style dataset; got the iterable {type(dataset).__name__}")
+        if not isinstance(dataset, IterableDataset):
+            dataset = _IterableWrapper(dataset)
+    elif sampler is None:
         try:
             size = len(dataset)
         except TypeError as exc:
             raise ConfigError(f"a map-style dataset needs __len__; got {type(dataset).__name__}") from exc
         sampler = EpochSampler(size, seed) if shuffle else SequentialSampler(range(size))
-    elif not isinstance(dataset, IterableDataset):
-        dataset = _IterableWrapper(dataset)
-    workers = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor) if num_workers > 0 else {}
+    check_multiprocessing_context(multiprocessing_context, num_workers)
+    workers: dict[str, Any] = {}
+    if num_workers > 0:
+        workers = dict(
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            multiprocessing_context=multiprocessing_context,
+        )
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -273,7 +325,7 @@ def build_dataloader(
         drop_last=drop_last,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        worker_init_fn=_seed_worker(seed) if num_workers > 0 else None,
+        worker_init_fn=functools.partial(_seed_worker, seed) if num_workers > 0 else None,
         **workers,  # type: ignore[arg-type]
     )
 
@@ -293,11 +345,9 @@ class _IterableWrapper(IterableDataset[Any]):
             set_epoch(epoch)
 
 
-def _seed_worker(seed: int) -> Callable[[int], None]:
-    def init(worker_id: int) -> None:
-        torch.manual_seed(seed + worker_id)
-
-    return init
+def _seed_worker(seed: int, worker_id: int) -> None:
+    """A worker's ``worker_init_fn`` (bound with functools.partial: picklable for "spawn" workers)."""
+    torch.manual_seed(seed + worker_id)
 
 
 __all__ = [
@@ -306,6 +356,7 @@ __all__ = [
     "RemoveColumnsCollator",
     "ResumableData",
     "build_dataloader",
+    "check_multiprocessing_context",
     "default_data_collator",
     "is_tokenizer_like",
     "remove_unused_columns",

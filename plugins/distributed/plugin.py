@@ -30,6 +30,8 @@ import torch
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 from trainbus.engine.errors import check_positive_int
 
+from .deepspeed import ZeroSteps
+from .fsdp import local_grad_norm, shard_model
 from .processes import close_group_at_exit, world_size
 from .sharding import shard_eval_loader, shard_train_loader
 
@@ -56,6 +58,11 @@ class Distributed(Plugin):
             ``DistributedDataParallel`` through accelerate (None keeps torch's default).
         global_batch_size: optional check: the samples per optimizer step you mean (per-device
             batch x processes x accumulation steps); a mismatch fails at TRAIN_START.
+        fsdp: accelerate's ``FullyShardedDataParallelPlugin`` (``fsdp.fsdp_plugin()`` builds one):
+            the model is sharded in place with FSDP2 at attach instead of wrapped in DDP (data is
+            sharded the same way); the DDP options are then unused.
+        deepspeed: accelerate's ``DeepSpeedPlugin`` (``deepspeed.deepspeed_plugin_for(args)``): DeepSpeed's
+            engine runs the training step (``deepspeed.ZeroSteps``), also in one process.
 
     Compose ``GradientAccumulation`` (any number of steps, 1 included) for losses normalised by the
     items of the whole step on all ranks; without it each rank's mean loss is averaged, as plain DDP
@@ -73,6 +80,8 @@ class Distributed(Plugin):
         broadcast_buffers: bool | None = None,
         static_graph: bool | None = None,
         global_batch_size: int | None = None,
+        fsdp: Any = None,
+        deepspeed: Any = None,
     ) -> None:
         given = dict(
             find_unused_parameters=find_unused_parameters,
@@ -90,6 +99,11 @@ class Distributed(Plugin):
             check_positive_int("global_batch_size", global_batch_size)
         self.ddp_options = {k: v for k, v in given.items() if v is not None}
         self.global_batch_size = global_batch_size
+        if fsdp is not None and deepspeed is not None:
+            raise ConfigError("Distributed got both fsdp and deepspeed: pick one way to shard the model")
+        self.fsdp = fsdp  # accelerate's FullyShardedDataParallelPlugin: FSDP2 instead of DDP
+        self.deepspeed = deepspeed  # accelerate's DeepSpeedPlugin: DeepSpeed's engine instead of DDP
+        self.zero: ZeroSteps | None = None
         self._accelerator = accelerator
         self.num_processes = 1
         self.process_index = 0
@@ -107,7 +121,13 @@ class Distributed(Plugin):
             device = engine.device
             cpu = not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu")
             handlers = [DistributedDataParallelKwargs(**self.ddp_options)] if self.ddp_options else []
-            self._accelerator = Accelerator(cpu=cpu, kwargs_handlers=handlers)
+            if self.deepspeed is not None:  # accelerate runs DeepSpeed only with cpu=False (DS_ACCELERATOR: the device)
+                from accelerate.state import AcceleratorState
+
+                AcceleratorState._reset_state()  # a new DeepSpeed plugin needs a fresh state (as HF's hp search does)
+                self._accelerator = Accelerator(deepspeed_plugin=self.deepspeed)
+            else:
+                self._accelerator = Accelerator(cpu=cpu, kwargs_handlers=handlers)
         return self._accelerator
 
     # -- attach ----------------------------------------------------------------------------------
@@ -123,15 +143,26 @@ class Distributed(Plugin):
             )
         self._set_flags(engine)
         self.on(engine, Event.TRAIN_START, self.train_start)
-        if self.num_processes == 1:
+        if self.num_processes == 1 and self.deepspeed is None:
             return
         close_group_at_exit()
         self.model = engine.model
-        self.ddp = accelerator.prepare_model(engine.model)
+        if self.deepspeed is not None:  # prepared once the optimizer exists (prepare_optimizer / TRAIN_START)
+            self.zero = ZeroSteps(self, engine, accelerator)
+        elif self.fsdp is not None:  # the sharded module all-gathers in its own forward: no wrapper
+            shard_model(engine.model, self.fsdp, accelerator, engine.optimizer)
+            self.on(engine, Event.BEFORE_OPTIMIZER_STEP, local_grad_norm, priority=Priority.CONSUMER)
+        else:
+            self.ddp = accelerator.prepare_model(engine.model)
+            self.wrap_hook(engine, "forward", self._through_ddp)
         if engine.train_data is not None:
             engine.train_data = self.shard_train(engine.train_data)
-        self.wrap_hook(engine, "forward", self._through_ddp)
         self.wrap_hook(engine, "eval_data", self._sharded_eval)
+
+    def prepare_optimizer(self, engine: Engine) -> None:
+        """The optimizer exists now: under DeepSpeed, build its engine (before a resume loads a checkpoint)."""
+        if self.zero is not None:
+            self.zero.prepare(engine)
 
     def detach(self, engine: Engine) -> None:
         self._sync_off.close()
@@ -180,7 +211,7 @@ class Distributed(Plugin):
         for handle in self._per_batch:
             handle.remove()
         self._per_batch = []
-        if engine.accumulation_steps > 1:  # per-micro-batch handlers only where there is a sync to skip
+        if engine.accumulation_steps > 1 and self.ddp is not None:  # handlers only where there is a sync to skip
             self._per_batch = [
                 self.on(engine, Event.BATCH_START, self._batch_start, priority=Priority.LAST),
                 self.on(engine, Event.BACKWARD_END, self._backward_end, priority=Priority.FIRST),

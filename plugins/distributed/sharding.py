@@ -62,6 +62,7 @@ def _loader_like(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
         worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context if workers else None,
         persistent_workers=loader.persistent_workers if workers else False,
         prefetch_factor=loader.prefetch_factor if workers else None,
     )

@@ -7,10 +7,17 @@ device and keeps the logits / labels (optionally inputs) as they are; every
 ragged batches with -100 into one array, gathers across processes, calls ``compute_metrics``
 and fills ``{prefix}_loss``, ``{prefix}_runtime``, ``{prefix}_samples_per_second``,
 ``{prefix}_steps_per_second`` and the prefixed metrics. One host sync per evaluation, none per batch.
+
+Two HF options change that: ``batch_eval_metrics`` calls ``compute_metrics(EvalPrediction,
+compute_result=...)`` on every batch's device tensors instead (only the last call, with
+``compute_result=True``, returns the metrics; evaluation keeps no predictions), and
+``concat_batches=False`` (HF ``eval_do_concat_batches``) keeps the predictions as a list of
+per-batch arrays instead of one padded array.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import time
@@ -191,6 +198,8 @@ class _Pass:
     device: dict[str, list[Any]] = field(default_factory=dict)  # name -> chunks not yet moved to the host
     host: dict[str, list[Any]] = field(default_factory=dict)
     positions: list[torch.Tensor] = field(default_factory=list)  # distributed: global position of every row
+    keep_outputs: bool = True  # False: batch_eval_metrics evaluation, predictions are not kept
+    pending: EvalPrediction | None = None  # batch_eval_metrics: the latest batch, not yet passed on
 
 
 class EvalCollector(Plugin):
@@ -205,6 +214,12 @@ class EvalCollector(Plugin):
         include_losses: pass the per-sample batch losses to compute_metrics (HF ``include_for_metrics=["loss"]``).
         input_name: key of the inputs in dict batches.
         padding_index: fill value of ragged dimensions.
+        batch_eval_metrics: call ``compute_metrics(EvalPrediction, compute_result=bool)`` per batch
+            with that batch's device tensors (its ``inputs`` is the whole batch, as in HF); the last
+            batch's call gets ``compute_result=True`` and returns the metrics. Evaluation then keeps
+            no predictions (``predict`` still does).
+        concat_batches: False keeps predictions / labels / inputs / losses as lists of per-batch
+            arrays (HF ``eval_do_concat_batches=False``), for batches whose shapes do not pad together.
 
     ``engine.evaluate()`` returns the metrics; ``engine.predict(data)`` returns a ``PredictionOutput``
     with ``test_`` metrics. ``last`` holds the ``EvalLoopOutput`` of the latest pass.
@@ -234,6 +249,8 @@ class EvalCollector(Plugin):
         include_losses: bool = False,
         input_name: str = "input_ids",
         padding_index: int = -100,
+        batch_eval_metrics: bool = False,
+        concat_batches: bool = True,
     ) -> None:
         for name, fn in (
             ("compute_metrics", compute_metrics),
@@ -242,6 +259,14 @@ class EvalCollector(Plugin):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"{name} must be a function or None, got {type(fn).__name__}")
         check_positive_int("eval_accumulation_steps", eval_accumulation_steps, allow_none=True)
+        if batch_eval_metrics and compute_metrics is not None and not _takes_compute_result(compute_metrics):
+            raise ConfigError(
+                "batch_eval_metrics=True calls compute_metrics(eval_prediction, compute_result=...) on every batch; "
+                f"{getattr(compute_metrics, '__name__', compute_metrics)!r} takes no compute_result argument: add "
+                "one (True after the last batch: return the metrics then) or set batch_eval_metrics=False"
+            )
+        self.batch_eval_metrics = batch_eval_metrics
+        self.concat_batches = concat_batches
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.eval_accumulation_steps = eval_accumulation_steps
@@ -273,7 +298,7 @@ class EvalCollector(Plugin):
         ev.metrics.update(self._finish(ev.engine).metrics)
 
     def predict_start(self, ev: PredictStartEvent) -> None:
-        self._start(ev.dataloader, "test")
+        self._start(ev.dataloader, "test", keep_outputs=True)
 
     def predict_batch_end(self, ev: PredictBatchEndEvent) -> None:
         self._collect(ev.batch, ev.loss, ev.logits, ev.labels)
@@ -284,10 +309,11 @@ class EvalCollector(Plugin):
         ev.output = PredictionOutput(out.predictions, out.label_ids, ev.metrics)
 
     # -- the pass ----------------------------------------------------------------------------------
-    def _start(self, dataloader: Any, prefix: str) -> None:
+    def _start(self, dataloader: Any, prefix: str, keep_outputs: bool = False) -> None:
         if data_length(dataloader) == 0:
             raise ConfigError(f"the {prefix!r} dataset is empty (length 0): evaluation needs at least one batch")
-        self._pass = _Pass(prefix, time.perf_counter(), ShardLayout.of(dataloader))
+        keep = keep_outputs or not (self.batch_eval_metrics and self.compute_metrics is not None)
+        self._pass = _Pass(prefix, time.perf_counter(), ShardLayout.of(dataloader), keep_outputs=keep)
 
     def _trim_padding(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap ``prediction_step`` to run only the real samples of a batch padded by a DistributedSampler.
@@ -340,10 +366,16 @@ class EvalCollector(Plugin):
         parts = {k: v for k, v in parts.items() if v is not None}
         if run.layout is not None:
             parts = select_rows(parts, slice(0, real))  # no-op when prediction_step already trimmed
+        positions = None
         if distributed:
             parts = gather_padded(parts, self.padding_index)
             if run.layout is not None:
-                run.positions.append(run.layout.gathered_positions(run.samples, size))
+                positions = run.layout.gathered_positions(run.samples, size)
+                run.positions.append(positions)
+        if self.batch_eval_metrics and self.compute_metrics is not None:
+            self._batch_metrics(run, batch, parts, positions)
+            if not run.keep_outputs:
+                parts = {k: v for k, v in parts.items() if k == "losses"}  # the loss still needs them
         for name, value in parts.items():
             run.device.setdefault(name, []).append(value)
         run.batches += 1
@@ -351,10 +383,32 @@ class EvalCollector(Plugin):
         if self.eval_accumulation_steps and run.batches % self.eval_accumulation_steps == 0:
             self._move_to_host(run)
 
+    def _batch_metrics(self, run: _Pass, batch: Any, parts: dict[str, Any], positions: torch.Tensor | None) -> None:
+        """Pass the previous batch to compute_metrics and hold this one (the last gets compute_result=True)."""
+        predictions, label_ids = parts.get("predictions"), parts.get("label_ids")
+        if predictions is None or label_ids is None:
+            return
+        losses = parts.get("losses") if self.include_losses else None
+        if positions is not None:  # drop the rows a DistributedSampler repeated and the gather's padding
+            real = torch.nonzero(positions < run.layout.dataset_size).reshape(-1)  # type: ignore[union-attr]
+            predictions, label_ids, losses = select_rows((predictions, label_ids, losses), real)
+        prediction = EvalPrediction(predictions, label_ids, batch if self.include_inputs else None, losses)
+        if run.pending is not None:
+            self._compute_metrics(run.pending, False)
+        run.pending = prediction
+
+    def _compute_metrics(self, prediction: EvalPrediction, compute_result: bool) -> Any:
+        metrics_fn: Callable[..., Any] = self.compute_metrics  # type: ignore[assignment]
+        return metrics_fn(prediction, compute_result=compute_result)
+
     def _move_to_host(self, run: _Pass) -> None:
         for name, chunks in run.device.items():
-            if chunks:
+            if not chunks:
+                continue
+            if self.concat_batches:
                 run.host.setdefault(name, []).append(to_host(nested_pad_concat(chunks, self.padding_index)))
+            else:
+                run.host.setdefault(name, []).extend(to_host(chunk) for chunk in chunks)
         run.device = {}
 
     def _finish(self, engine: Engine) -> EvalLoopOutput:
@@ -364,23 +418,26 @@ class EvalCollector(Plugin):
         if run.batches == 0:
             raise ConfigError(f"the {run.prefix!r} dataset yielded no batches: evaluation needs at least one")
         self._move_to_host(run)
-        arrays = {name: nested_pad_concat(chunks, self.padding_index) for name, chunks in run.host.items()}
+        arrays: dict[str, Any]
+        if self.concat_batches:
+            arrays = {name: nested_pad_concat(chunks, self.padding_index) for name, chunks in run.host.items()}
+        else:
+            arrays = {name: list(chunks) for name, chunks in run.host.items()}
         num_samples = run.samples * world_size()
         if run.positions:  # drop the sampler's repeated samples and restore the dataset order
-            positions = torch.cat(run.positions)
-            real = torch.nonzero(positions < run.layout.dataset_size).reshape(-1)  # type: ignore[union-attr]
-            order = real[torch.argsort(positions[real])]
-            arrays = {name: select_rows(value, order) for name, value in arrays.items()}
-            num_samples = int(order.numel())
+            arrays, num_samples = self._dataset_order(arrays, run)
         arrays = to_numpy(arrays)
         prefix = run.prefix
         metrics: dict[str, Any] = {}
         if run.loss_sum is not None:
             metrics[f"{prefix}_loss"] = float((run.loss_sum / run.loss_count).item())  # the pass's one host sync
         elif "losses" in arrays:  # distributed: per-sample losses, padding duplicates dropped
-            metrics[f"{prefix}_loss"] = float(np.mean(arrays["losses"]))
+            losses = arrays["losses"]
+            metrics[f"{prefix}_loss"] = float(np.mean(losses if self.concat_batches else np.concatenate(losses)))
         predictions, label_ids = arrays.get("predictions"), arrays.get("label_ids")
-        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
+        if run.pending is not None:  # batch_eval_metrics: the last batch's call returns the metrics
+            metrics.update(prefix_metrics(self._compute_metrics(run.pending, True), prefix))
+        elif self.compute_metrics is not None and predictions is not None and label_ids is not None:
             prediction = EvalPrediction(
                 predictions,
                 label_ids,
@@ -394,6 +451,37 @@ class EvalCollector(Plugin):
         metrics[f"{prefix}_steps_per_second"] = round(run.batches / runtime, 3) if runtime > 0 else math.inf
         self.last = EvalLoopOutput(predictions, label_ids, metrics, num_samples)
         return self.last
+
+    def _dataset_order(self, arrays: dict[str, Any], run: _Pass) -> tuple[dict[str, Any], int]:
+        """The gathered rows without padding duplicates, in data-set order; and how many there are.
+
+        Per-batch lists (``concat_batches=False``) are ordered within each batch: a gathered batch
+        holds a contiguous range of data-set positions, so the batches stay in order.
+        """
+        size = run.layout.dataset_size  # type: ignore[union-attr]
+
+        def order(positions: torch.Tensor) -> torch.Tensor:
+            real = torch.nonzero(positions < size).reshape(-1)
+            return real[torch.argsort(positions[real])]
+
+        if self.concat_batches:
+            rows = order(torch.cat(run.positions))
+            return {name: select_rows(value, rows) for name, value in arrays.items()}, int(rows.numel())
+        orders = [order(positions) for positions in run.positions]
+        ordered = {
+            name: [select_rows(chunk, rows) for chunk, rows in zip(chunks, orders, strict=True)]
+            for name, chunks in arrays.items()
+        }
+        return ordered, sum(int(rows.numel()) for rows in orders)
+
+
+def _takes_compute_result(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` accepts a ``compute_result`` keyword (named, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): let the call tell
+        return True
+    return any(p.name == "compute_result" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _inputs_of(batch: Any, input_name: str) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -19,45 +20,34 @@ from trainbus.engine import ConfigError
 from trainbus.engine.errors import check_positive_int, suggest
 
 from ..control.strategies import IntervalStrategy, SaveStrategy, check_strategy
+from ..data.length_grouping import check_sampling_strategy
+from ..data.loading import check_multiprocessing_context
+from ..distributed.deepspeed import deepspeed_plugin_for
+from ..distributed.fsdp import fsdp_from_accelerate_launch, fsdp_plugin_kwargs
+from ..observability.debug import parse_debug_options
+from ..optimization.device_settings import check_tf32
+from ..optimization.liger import check_liger_kernel
+from ..optimization.optimizer_names import check_optim
 
 #: HF fields trainbus does not implement, with HF's default: passing the default is accepted
 #: (it changes nothing), any other value raises. A hint names the trainbus way when there is one.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "optim_target_modules": (None, "GaLore / APOLLO target modules are not supported"),
-    "tf32": (None, "set torch.backends.cuda.matmul.allow_tf32 yourself"),
     "activation_checkpointing": (None, "use gradient_checkpointing"),
     "activation_checkpointing_kwargs": (None, "use gradient_checkpointing_kwargs"),
-    "use_liger_kernel": (False, ""),
-    "liger_kernel_config": (None, ""),
     "use_cache": (False, ""),
-    "torch_empty_cache_steps": (None, ""),
-    "auto_find_batch_size": (False, "not supported yet (mission D4)"),
-    "project": ("huggingface", ""),
-    "trackio_space_id": (None, ""),
-    "trackio_bucket_id": (None, ""),
-    "trackio_static_space_id": (None, ""),
     "eval_use_gather_object": (False, ""),
-    "batch_eval_metrics": (False, "compute_metrics runs once over the whole eval set"),
     "save_on_each_node": (False, "only the main process saves"),
     "enable_jit_checkpoint": (False, ""),
     "push_to_hub": (False, "trainbus never uploads"),
     "hub_token": (None, ""),
-    "hub_private_repo": (None, ""),
     "hub_model_id": (None, ""),
     "hub_strategy": ("every_save", ""),
     "hub_always_push": (False, ""),
     "hub_revision": (None, ""),
     "accelerator_config": (None, "configure accelerate with `accelerate config`"),
     "parallelism_config": (None, ""),
-    "dataloader_multiprocessing_context": (None, ""),
     "dataloader_in_order": (True, ""),
-    "train_sampling_strategy": ("random", ""),
-    "group_by_length": (False, ""),
-    "length_column_name": ("length", ""),
-    "fsdp": (None, "use accelerate's FSDP config"),
-    "fsdp_config": (None, "use accelerate's FSDP config"),
-    "deepspeed": (None, "use accelerate's DeepSpeed config"),
-    "debug": ("", ""),
+    "group_by_length": (False, "transformers 5 spells it train_sampling_strategy='group_by_length'"),
     "local_rank": (-1, "the process index comes from accelerate"),
     "evaluation_strategy": (None, "renamed eval_strategy in transformers 4.46"),
     "no_cuda": (False, "renamed use_cpu"),
@@ -81,6 +71,17 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
 }
 
 
+#: HF's log_level names; "passive" leaves the level as it is
+LOG_LEVELS: dict[str, int | None] = {
+    "detail": logging.DEBUG,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+    "passive": None,
+}
+
 #: torch.distributed backends HF accepts for ddp_backend
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl", "xccl")
 
@@ -88,9 +89,6 @@ DDP_BACKENDS = ("nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl", "xccl")
 #: fields kept (scripts pass them) whose non-default behaviour trainbus does not implement yet
 NOT_YET: dict[str, Any] = {
     "save_only_model": False,
-    "ignore_data_skip": False,
-    "restore_callback_states_from_checkpoint": False,
-    "eval_do_concat_batches": True,
 }
 
 
@@ -100,7 +98,7 @@ class TrainingArguments:
 
     Only fields trainbus implements exist; HF fields listed in ``UNSUPPORTED`` raise when set to a
     non-default value. ``do_train`` / ``do_eval`` / ``do_predict``, ``overwrite_output_dir``,
-    ``run_name``, ``logging_dir`` and the ``log_level*`` fields are accepted for scripts and, as in
+    ``run_name`` and ``logging_dir`` are accepted for scripts and, as in
     HF's Trainer, change nothing in training.
 
     Example:
@@ -130,6 +128,7 @@ class TrainingArguments:
     warmup_ratio: float = 0.0
     optim: str = "adamw_torch_fused"
     optim_args: str | None = None
+    optim_target_modules: str | list[str] | None = None  # GaLore / APOLLO: the nn.Linear layers to project
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -142,12 +141,16 @@ class TrainingArguments:
     fp16: bool = False
     bf16_full_eval: bool = False
     fp16_full_eval: bool = False
+    tf32: bool | None = None
     gradient_checkpointing: bool | None = None
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
     torch_compile: bool = False
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None
     neftune_noise_alpha: float | None = None
+    torch_empty_cache_steps: int | None = None
+    use_liger_kernel: bool = False
+    liger_kernel_config: dict[str, bool] | None = None
     logging_strategy: str = "steps"
     logging_steps: float = 500
     logging_first_step: bool = False
@@ -160,6 +163,13 @@ class TrainingArguments:
     disable_tqdm: bool | None = None
     report_to: str | list[str] | None = "none"
     run_name: str | None = None
+    # the experiment trackers' settings (report_to="wandb" / "mlflow" / "trackio"); trainbus never pushes
+    # to the Hub, so hub_private_repo only makes a Trackio Space private
+    project: str = "huggingface"
+    trackio_space_id: str | None = None
+    trackio_bucket_id: str | None = None
+    trackio_static_space_id: str | bool | None = None
+    hub_private_repo: bool | None = None
     eval_strategy: str = "no"
     eval_steps: float | None = None
     eval_delay: float = 0
@@ -168,6 +178,7 @@ class TrainingArguments:
     eval_accumulation_steps: int | None = None
     eval_do_concat_batches: bool = True
     include_for_metrics: list[str] = field(default_factory=list)
+    batch_eval_metrics: bool = False
     save_strategy: str = "steps"
     save_steps: float = 500
     save_total_limit: int | None = None
@@ -187,14 +198,22 @@ class TrainingArguments:
     ddp_bucket_cap_mb: int | None = None
     ddp_broadcast_buffers: bool | None = None
     ddp_static_graph: bool | None = None
+    fsdp: bool | str | list[str] | None = None
+    fsdp_config: dict[str, Any] | str | None = None
+    deepspeed: dict[str, Any] | str | None = None
+    auto_find_batch_size: bool = False
     dataloader_drop_last: bool = False
     dataloader_num_workers: int = 0
     dataloader_pin_memory: bool = True
     dataloader_persistent_workers: bool = False
     dataloader_prefetch_factor: int | None = None
+    dataloader_multiprocessing_context: str | None = None
     remove_unused_columns: bool = True
+    train_sampling_strategy: str = "random"
+    length_column_name: str = "length"
     label_names: list[str] | None = None
     skip_memory_metrics: bool = True
+    debug: str | list[str] = ""  # HF: "underflow_overflow" (a space-separated string or a list)
     resume_from_checkpoint: str | None = None
 
     def __post_init__(self) -> None:
@@ -212,6 +231,10 @@ class TrainingArguments:
         self.eval_strategy = check_strategy("eval_strategy", self.eval_strategy, IntervalStrategy)
         self.save_strategy = check_strategy("save_strategy", self.save_strategy, SaveStrategy)
         self.report_to = _report_to(self.report_to)
+        _one_of("log_level", self.log_level, tuple(LOG_LEVELS))
+        _one_of("log_level_replica", self.log_level_replica, tuple(LOG_LEVELS))
+        self.debug = parse_debug_options(self.debug)
+        _check_trackers(self)
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
             value = getattr(self, name)
             if isinstance(value, str) and value.startswith("{"):  # CLI JSON, as HF parses it
@@ -224,6 +247,12 @@ class TrainingArguments:
         if self.fp16_full_eval and self.bf16_full_eval:
             raise ConfigError("at most one of fp16_full_eval and bf16_full_eval can be True, got both")
         self._check_processes()
+        self._check_sharding()
+        check_optim(
+            self.optim, target_modules=self.optim_target_modules, fp16=self.fp16, weight_decay=self.weight_decay,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, has_cuda=self.n_gpu > 0,
+        )  # fmt: skip
+        self._check_devices_and_data()
         for name, default in NOT_YET.items():
             if getattr(self, name) != default:
                 raise ConfigError(
@@ -271,6 +300,32 @@ class TrainingArguments:
         for name in ("ddp_find_unused_parameters", "ddp_broadcast_buffers", "ddp_static_graph"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+
+    def _check_devices_and_data(self) -> None:
+        check_tf32(self.tf32)
+        if self.torch_empty_cache_steps is not None:
+            check_positive_int("torch_empty_cache_steps (or None)", self.torch_empty_cache_steps)
+        if self.use_liger_kernel:
+            check_liger_kernel(self.liger_kernel_config)
+        elif self.liger_kernel_config is not None:
+            raise ConfigError("liger_kernel_config is set but use_liger_kernel=False: set use_liger_kernel=True")
+        check_sampling_strategy(self.train_sampling_strategy)
+        check_multiprocessing_context(self.dataloader_multiprocessing_context, self.dataloader_num_workers)
+
+    def _check_sharding(self) -> None:
+        """FSDP / DeepSpeed options, parsed now so a bad one fails before the Trainer is made (as HF)."""
+        if not isinstance(self.auto_find_batch_size, bool):
+            raise ConfigError(f"auto_find_batch_size must be True or False, got {self.auto_find_batch_size!r}")
+        if self.fsdp and self.deepspeed:
+            raise ConfigError("fsdp and deepspeed are both set: pick one way to shard the model")
+        if self.auto_find_batch_size and self.deepspeed:
+            raise ConfigError("auto_find_batch_size is not supported with deepspeed: its engine fixes the micro batch")
+        #: accelerate FSDP plugin arguments (None: no FSDP); an `accelerate launch` FSDP config counts
+        self.fsdp_plugin_args = fsdp_plugin_kwargs(self.fsdp, self.fsdp_config)
+        if self.fsdp_plugin_args is None and not self.deepspeed:
+            self.fsdp_plugin_args = fsdp_from_accelerate_launch()
+        #: accelerate's DeepSpeedPlugin, its "auto" values filled from these arguments (None: no DeepSpeed)
+        self.deepspeed_plugin = deepspeed_plugin_for(self) if self.fsdp_plugin_args is None else None
 
     def _check_steps(self) -> None:
         if self.eval_strategy == IntervalStrategy.STEPS and not self.eval_steps:
@@ -375,6 +430,13 @@ class TrainingArguments:
         """Whether this process writes checkpoints and models: the main process only (HF)."""
         return self.process_index == 0
 
+    def get_process_log_level(self) -> int:
+        """The ``logging`` level of this process (HF): ``log_level`` where ``should_log``, else ``log_level_replica``;
+        "passive" keeps the level the ``trainbus`` logger has."""
+        level = self.log_level if self.should_log else self.log_level_replica
+        chosen = LOG_LEVELS[level]
+        return logging.getLogger("trainbus").getEffectiveLevel() if chosen is None else chosen
+
     @property
     def should_log(self) -> bool:
         """Whether this process logs: the main process, or each node's with log_on_each_node (HF)."""
@@ -403,6 +465,11 @@ class TrainingArguments:
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """``to_dict`` with every value a bool, int, float or str (HF's, for trackers' hyperparameter tables)."""
+        data = {**self.to_dict(), "train_batch_size": self.train_batch_size, "eval_batch_size": self.eval_batch_size}
+        return {k: v if type(v) in (bool, int, float, str) else str(v) for k, v in data.items()}
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TrainingArguments))
@@ -435,6 +502,15 @@ TrainingArguments.__init__ = _checked_init  # type: ignore[method-assign]
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _check_trackers(args: TrainingArguments) -> None:
+    if not isinstance(args.project, str) or not args.project:
+        raise ConfigError(f"project must be a non-empty string (the tracker's project name), got {args.project!r}")
+    if args.trackio_static_space_id is True:
+        raise ConfigError(
+            "trackio_static_space_id must be a Space id, None (a generated name) or False (no static Space), got True"
+        )
 
 
 def _report_to(value: Any) -> list[str]:

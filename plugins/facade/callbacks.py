@@ -299,6 +299,8 @@ class CallbackAdapter(Plugin):
         return {"callbacks": saved}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not getattr(self.args, "restore_callback_states_from_checkpoint", False):
+            return  # HF restores callback states on resume only when asked to
         saved = state.get("callbacks", {})
         seen: dict[str, int] = {}
         for cb in self.callbacks:

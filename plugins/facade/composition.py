@@ -21,12 +21,19 @@ from ..control.flow import FlowControl
 from ..data.loading import ResumableData
 from ..evaluation.collector import EvalCollector
 from ..evaluation.half_eval import HalfPrecisionEval
+from ..observability.debug import UnderflowOverflowDebug
 from ..observability.logging import SINKS, TrainLogger
+from ..observability.memory import MemoryMetrics
 from ..observability.progress import Printer, ProgressBars
 from ..observability.sinks import SINKS as _SINKS  # noqa: F401  (importing sinks registers jsonl / csv / tensorboard)
+from ..observability.trackers import TRACKERS  # importing trackers registers wandb / mlflow / trackio
 from ..optimization.accumulation import GradientAccumulation
 from ..optimization.clipping import GradientClipping
+from ..optimization.device_settings import TF32, EmptyDeviceCache, tf32_setting
+from ..optimization.liger import LigerKernel
 from ..optimization.model_setup import GradientCheckpointing, TorchCompile
+from ..optimization.optimizer_modes import FusedBackward, ScheduleFreeModes
+from ..optimization.optimizer_names import optimizer_spec
 from ..optimization.precision import MixedPrecision
 from ..optimization.regularization import LabelSmoothing, NEFTune
 from ..optimization.schedulers import LRScheduler
@@ -74,13 +81,22 @@ def build_plugins(
     own_step = trainer.overrides("training_step")
     own_loss = own_step or trainer.overrides("compute_loss") or trainer.compute_loss_func is not None
     distributed = getattr(trainer, "distributed", None)
-    plugins: list[Plugin] = [ResumableData()] if distributed is None else [distributed, ResumableData()]
+    data = ResumableData(args.ignore_data_skip)
+    plugins: list[Plugin] = [data] if distributed is None else [distributed, data]
+    tf32 = tf32_setting(args.tf32, torch_compile=args.torch_compile, fp16=args.fp16)
+    if tf32 is not None:
+        plugins.append(TF32(tf32))
+    if args.torch_empty_cache_steps is not None:
+        plugins.append(EmptyDeviceCache(args.torch_empty_cache_steps))
+    if args.use_liger_kernel:  # patch the model before it is compiled
+        plugins.append(LigerKernel(args.liger_kernel_config))
     if args.torch_compile:
         compile_kwargs = {"backend": args.torch_compile_backend, "mode": args.torch_compile_mode}
         plugins.append(TorchCompile(**{k: v for k, v in compile_kwargs.items() if v is not None}))
     if args.gradient_checkpointing:
         plugins.append(GradientCheckpointing(args.gradient_checkpointing_kwargs))
-    if args.fp16 or args.bf16:
+    deepspeed = getattr(args, "deepspeed_plugin", None) is not None  # DeepSpeed owns precision and clipping
+    if (args.fp16 or args.bf16) and not deepspeed:
         plugins.append(MixedPrecision("fp16" if args.fp16 else "bf16"))
     if args.fp16_full_eval or args.bf16_full_eval:
         plugins.append(HalfPrecisionEval("fp16" if args.fp16_full_eval else "bf16"))
@@ -97,8 +113,12 @@ def build_plugins(
                     args.gradient_accumulation_steps, across_processes=args.average_tokens_across_devices
                 )
             )
-    if args.max_grad_norm:
+    optim = optimizer_spec(str(args.optim))
+    if args.max_grad_norm and not optim.steps_in_backward and not deepspeed:  # those leave no gradients to clip
         plugins.append(GradientClipping(args.max_grad_norm))
+    plugins.append(ScheduleFreeModes())  # acts only on optimizers with train() / eval(), as in HF
+    if optim.fused_backward:
+        plugins.append(FusedBackward())
     if args.label_smoothing_factor and not own_loss:
         plugins.append(LabelSmoothing(args.label_smoothing_factor))
     if args.neftune_noise_alpha is not None:
@@ -121,6 +141,8 @@ def build_plugins(
             include_inputs="inputs" in args.include_for_metrics,
             include_losses="loss" in args.include_for_metrics,
             input_name=getattr(trainer.model, "main_input_name", "input_ids"),
+            batch_eval_metrics=args.batch_eval_metrics,
+            concat_batches=args.eval_do_concat_batches,
         )
     )
     if args.metric_for_best_model is not None:
@@ -140,12 +162,16 @@ def build_plugins(
         )
     )
     plugins.append(Printer() if args.disable_tqdm else ProgressBars())
+    if "underflow_overflow" in args.debug:
+        plugins.append(UnderflowOverflowDebug())
+    if not args.skip_memory_metrics:  # the Trainer may have made it to measure its constructor ("init")
+        plugins.append(getattr(trainer, "memory_metrics", None) or MemoryMetrics())
     plugins.extend(_sinks(args))
     return plugins
 
 
 #: the library a sink needs, for report_to="all"
-SINK_REQUIRES = {"tensorboard": "tensorboard"}
+SINK_REQUIRES = {"tensorboard": "tensorboard", **{name: name for name in TRACKERS}}
 
 
 def _sinks(args: TrainingArguments) -> list[Plugin]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,6 +25,8 @@ from trainbus.hooks import get_labels, loss_from_outputs
 
 from ..averaging.ema import EMA
 from ..checkpoints import checkpoint as ckpt
+from ..checkpoints.sharded import save_full_model, saved_by_every_rank
+from ..data.length_grouping import main_input_name_of, train_sampler
 from ..data.loading import (
     DataCollatorWithPadding,
     RemoveColumnsCollator,
@@ -33,10 +36,13 @@ from ..data.loading import (
     remove_unused_columns,
     signature_columns,
 )
+from ..distributed.batch_size import train_with_executable_batch_size
+from ..distributed.fsdp import fsdp_plugin
 from ..distributed.plugin import Distributed
 from ..distributed.processes import barrier
 from ..evaluation.collector import PredictionOutput, hf_prediction_step
 from ..observability.logging import TrainLogger
+from ..observability.memory import MemoryMetrics
 from ..optimization.accumulation import GradientAccumulation, count_items
 from ..optimization.optimizers import create_optimizer, fused_adamw_supported
 from ..optimization.schedulers import LRScheduler, create_scheduler
@@ -97,6 +103,10 @@ class Trainer(TrainerUtilities, Engine):
         if not isinstance(self.args, TrainingArguments):
             raise ConfigError(f"args must be trainbus TrainingArguments, got {type(self.args).__name__}")
         args = self.args
+        self.memory_metrics = None if args.skip_memory_metrics else MemoryMetrics()
+        if self.memory_metrics is not None:
+            self.memory_metrics.start("init")  # HF measures the constructor as the "init" stage
+        logging.getLogger("trainbus").setLevel(args.get_process_log_level())  # HF: log_level / _replica
         set_seed(args.seed)
         if args.full_determinism:
             torch.use_deterministic_algorithms(True)
@@ -119,16 +129,20 @@ class Trainer(TrainerUtilities, Engine):
         self._model_for_columns = model
         # several processes: DDP through accelerate, sharded loaders (made before the train loader,
         # so the plan below counts global batches)
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"  # FSDP's mixed-precision policy
         self.distributed = (
             Distributed(
                 find_unused_parameters=args.ddp_find_unused_parameters,
                 bucket_cap_mb=args.ddp_bucket_cap_mb,
                 broadcast_buffers=args.ddp_broadcast_buffers,
                 static_graph=args.ddp_static_graph,
+                fsdp=None if args.fsdp_plugin_args is None else fsdp_plugin(args.fsdp_plugin_args, precision),
+                deepspeed=args.deepspeed_plugin,
             )
-            if args.world_size > 1
+            if args.world_size > 1 or args.deepspeed_plugin is not None
             else None
         )
+        self._train_batch_size = args.train_batch_size  # auto_find_batch_size may lower it
         train_loader = self.get_train_dataloader() if train_dataset is not None else None
         max_epochs, max_steps = self._plan_length(train_loader)
         super().__init__(
@@ -157,6 +171,8 @@ class Trainer(TrainerUtilities, Engine):
             check_metric_for_best_model(self, args.metric_for_best_model)
         self.add_plugin(self.callback_handler)
         self._count_flos_when_known()
+        if self.memory_metrics is not None:
+            self.memory_metrics.stop("init")
         self.callback_handler.init_end(self)
 
     # -- composition helpers ----------------------------------------------------------------------
@@ -305,6 +321,17 @@ class Trainer(TrainerUtilities, Engine):
 
     def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool) -> Any:
         args = self.args
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        sampler = None
+        if shuffle:  # the train set: HF's train_sampling_strategy, lengths read before columns are removed
+            sampler = train_sampler(
+                dataset,
+                str(args.train_sampling_strategy),
+                seed=seed,
+                group_size=args.train_batch_size * args.gradient_accumulation_steps * args.world_size,
+                length_column_name=args.length_column_name,
+                model_input_name=main_input_name_of(self.processing_class),
+            )
         if args.remove_unused_columns:
             dataset = remove_unused_columns(dataset, self._model_for_columns, self.label_names_arg)
         return build_dataloader(
@@ -312,20 +339,31 @@ class Trainer(TrainerUtilities, Engine):
             batch_size=batch_size,
             collate_fn=self._collator_for(dataset),
             shuffle=shuffle,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
+            seed=seed,
             drop_last=drop_last,
             num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
             persistent_workers=args.dataloader_persistent_workers,
             prefetch_factor=args.dataloader_prefetch_factor,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            sampler=sampler,
         )
 
     def get_train_dataloader(self) -> Any:
         if self.train_dataset is None:
             raise ConfigError("Trainer: training requires a train_dataset")
         args = self.args
-        loader = self._loader(self.train_dataset, args.train_batch_size, True, args.dataloader_drop_last)
+        loader = self._loader(self.train_dataset, self._train_batch_size, True, args.dataloader_drop_last)
         return loader if self.distributed is None else self.distributed.shard_train(loader)
+
+    def _use_train_batch_size(self, batch_size: int) -> None:
+        """Train with this per-device batch size from now on (auto_find_batch_size)."""
+        self._train_batch_size = batch_size
+        self.train_data = self.get_train_dataloader()
+        self.max_epochs, self.max_steps = self._plan_length(self.train_data)
+        scheduler = self.get_plugin(LRScheduler)
+        if isinstance(scheduler, LRScheduler) and scheduler.scheduler_name is not None:
+            scheduler.scheduler = None  # built again at TRAIN_START for the new number of steps (HF)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -370,9 +408,11 @@ class Trainer(TrainerUtilities, Engine):
             name = args.optim
             if name == "adamw_torch_fused" and not fused_adamw_supported(self.model):
                 name = "adamw_torch"
+            total_steps = self._plan()[0] if self.train_data is not None else 0  # for schedule-free warmup
             self.optimizer = create_optimizer(
                 self.model, name, args.learning_rate, args.weight_decay, args.adam_beta1, args.adam_beta2,
-                args.adam_epsilon, args.optim_args,
+                args.adam_epsilon, args.optim_args, optim_target_modules=args.optim_target_modules,
+                warmup_steps=args.get_warmup_steps(total_steps),
             )  # fmt: skip
         return self.optimizer
 
@@ -398,6 +438,14 @@ class Trainer(TrainerUtilities, Engine):
             raise ConfigError(f"train() got unexpected arguments {sorted(kwargs)}; it takes resume_from_checkpoint")
         if self.train_data is None:
             raise ConfigError("Trainer.train() needs a train_dataset")
+        if self.args.auto_find_batch_size:  # halve the batch on out-of-memory and start over (HF)
+            self.create_optimizer()  # every attempt starts from its state
+            return train_with_executable_batch_size(
+                self, self._train_batch_size, self._use_train_batch_size, lambda: self._train(resume_from_checkpoint)
+            )
+        return self._train(resume_from_checkpoint)
+
+    def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         if self.overrides("create_scheduler") or self.overrides("create_optimizer_and_scheduler"):
             self.create_optimizer_and_scheduler(num_training_steps=self._plan()[0])  # HF: a subclass's runs
         else:
@@ -405,13 +453,18 @@ class Trainer(TrainerUtilities, Engine):
         accumulation = self.get_plugin(GradientAccumulation)
         if isinstance(accumulation, GradientAccumulation):
             accumulation.prescaled = self._loss_is_scaled_for_ga()
+        if self.distributed is not None:
+            self.distributed.prepare_optimizer(self)  # DeepSpeed builds its engine before a resume loads into it
         self.state = State()
+        self.state.train_batch_size = self._train_batch_size
         self.current_flos, self._non_embedding_parameters = 0.0, None
         if resume_from_checkpoint:
             ckpt.resume(self, resume_from_checkpoint, self.args.output_dir)
         state = self.fit()
         logger = self.get_plugin(TrainLogger)
         metrics = dict(getattr(logger, "train_metrics", {}))
+        memory = self.get_plugin("MemoryMetrics")  # skip_memory_metrics=False: HF returns the deltas too
+        metrics.update(getattr(memory, "metrics", {}).get("train", {}))
         return TrainOutput(state.global_step, float(metrics.get("train_loss", 0.0)), metrics)
 
     def evaluate(  # type: ignore[override]
@@ -463,9 +516,12 @@ class Trainer(TrainerUtilities, Engine):
         ema = self.get_plugin(EMA)
         averaged = ema.swapped(self) if isinstance(ema, EMA) and ema.save_averaged else contextlib.nullcontext()
         try:
-            if self.args.should_save:
+            if saved_by_every_rank(self.model):  # FSDP / ZeRO-3: every rank sends its part, the main one writes
+                save_full_model(self.model, output_dir or self.args.output_dir, write=self.args.should_save)
+            elif self.args.should_save:
                 with averaged:
                     ckpt.save_model(self.model, output_dir or self.args.output_dir)
+            if self.args.should_save:
                 processing_class = self.processing_class
                 if processing_class is not None and callable(getattr(processing_class, "save_pretrained", None)):
                     processing_class.save_pretrained(output_dir or self.args.output_dir)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +23,7 @@ from trainbus.engine import ConfigError, Event, Priority
 from ..distributed.processes import all_reduce_sum, collective_device, world_size
 from ..evaluation.collector import EvalLoopOutput
 from ..optimization.accumulation import count_items
+from ..optimization.optimizers import get_decay_parameter_names, optimizer_cls_and_kwargs
 
 if TYPE_CHECKING:
     from trainbus.engine import Payload
@@ -72,6 +75,44 @@ class TrainerUtilities:
         args = self.args if args is None else args
         return int(args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size)
 
+    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """Parameters that get weight decay: all but biases and normalisation layers (HF's rules)."""
+        return get_decay_parameter_names(model)
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = None) -> tuple[Any, dict[str, Any]]:
+        """The optimizer class and keyword arguments for ``args.optim`` (HF); see ``optimizer_cls_and_kwargs``."""
+        return optimizer_cls_and_kwargs(args, model)
+
+    def get_tp_size(self) -> int:
+        """Tensor-parallel size: trainbus does no tensor parallelism, so 1 (HF)."""
+        return int(getattr(self.model, "_tp_size", None) or 1)
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple[int, int, int, int, int, int, int]:
+        """HF's plan of a run: (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples,
+        total_train_batch_size, steps_in_epoch, max_steps)."""
+        k = args.gradient_accumulation_steps
+        total_batch = self.get_total_train_batch_size(args)
+        try:
+            batches: int | None = len(dataloader)
+        except TypeError:
+            batches = None
+        if batches:
+            per_epoch = max(math.ceil(batches / k), 1)
+            max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+            examples = len(dataloader.dataset) if hasattr(dataloader, "dataset") else batches * total_batch
+            if args.max_steps > 0:
+                epochs, samples = math.ceil(max_steps / per_epoch), max_steps * total_batch
+            else:
+                epochs, samples = math.ceil(args.num_train_epochs), int(examples * args.num_train_epochs)
+        elif args.max_steps > 0:  # no length: as many passes as max_steps needs
+            max_steps = per_epoch = args.max_steps
+            epochs, examples, samples = sys.maxsize, total_batch * max_steps, total_batch * max_steps
+        else:
+            raise ConfigError("the train dataloader has no length: set max_steps to a positive number")
+        steps_in_epoch = batches if batches is not None else max_steps * k
+        return epochs, per_epoch, examples, samples, total_batch, steps_in_epoch, max_steps
+
     # -- floating point operations ----------------------------------------------------------------
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """FLOs of one forward and backward on ``inputs`` (HF): the model's own ``floating_point_ops`` if it has
@@ -115,6 +156,11 @@ class TrainerUtilities:
         self.store_flos()
 
     # -- metrics and state files -----------------------------------------------------------------
+    @staticmethod
+    def metrics_format(metrics: dict[str, Any]) -> dict[str, Any]:
+        """Metrics for reading (HF): memory in MB, runtimes as h:mm:ss.xx, total_flos in GF, floats rounded."""
+        return format_metrics(metrics)
+
     def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
         """Print ``metrics`` as HF does (``***** train metrics *****``, aligned, humanised), main process only."""
         if not self.is_world_process_zero():
@@ -209,6 +255,20 @@ class TrainerUtilities:
         if device is not None and isinstance(items, torch.Tensor):
             items = items.to(device)
         return batches, items
+
+    # -- what trainbus does not do ----------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """Deprecated in HF in favour of ``processing_class``; kept for old scripts."""
+        return getattr(self, "processing_class", None)
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: trainbus never uploads. save_model writes what ``huggingface-cli upload`` takes."""
+        raise ConfigError("push_to_hub: trainbus never uploads; save_model(), then upload the folder yourself")
+
+    def init_hf_repo(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: trainbus never creates Hub repositories."""
+        raise ConfigError("init_hf_repo: trainbus never talks to the Hub; create the repository yourself")
 
     def is_world_process_zero(self) -> bool:
         """Whether this is the main process of all machines (HF)."""

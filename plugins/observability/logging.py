@@ -103,7 +103,9 @@ class TrainLogger(Plugin):
         if ev.micro_index == 0:
             # the rate this step uses, read before a scheduler moves it at OPTIMIZER_STEP (HF logs the same)
             optimizer = ev.engine.optimizer
-            self._lr = optimizer.param_groups[0]["lr"] if optimizer is not None and optimizer.param_groups else None
+            lr = optimizer.param_groups[0]["lr"] if optimizer is not None and optimizer.param_groups else None
+            # torchao keeps lr as a tensor the scheduler fills in place: keep this step's value
+            self._lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
         batch = ev.batch
         self._samples += batch_size_of(batch)
         if self.tokens == "no":

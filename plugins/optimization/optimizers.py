@@ -2,29 +2,35 @@
 
 ``create_optimizer(model, "adamw_torch", lr=...)`` builds what ``TrainingArguments(optim=...)`` builds
 in HF: two parameter groups (with and without weight decay, biases and normalisation layers never
-decay), Adam betas/epsilon from the arguments, extra keyword arguments from ``optim_args``. A user's
+decay), the class and keyword arguments HF picks for the name (every name of HF's ``OptimizerNames``:
+the table is ``optimizer_names.OPTIMIZERS``), extra keyword arguments from ``optim_args``. A user's
 own optimizer is a ``torch.optim.Optimizer`` subclass or any ``factory(param_groups, **kwargs)``.
+``optimizer_cls_and_kwargs(args, model)`` is HF's ``Trainer.get_optimizer_cls_and_kwargs``: the class
+and keyword arguments alone.
 
-The ``OptimizerSetup`` plugin creates the optimizer when it is attached, so an engine composed of
-plugins needs no optimizer argument.
+``OptimizerSetup`` creates the optimizer when it is attached, so an engine composed of plugins needs
+no optimizer argument. The optimizers that need the loop's help have their plugins in
+``optimizer_modes`` (schedule-free's train / eval modes, LOMO's fused backward); the layer-wise
+optimizer and the state a checkpoint can hold are in ``optimizer_state``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainbus.engine import ConfigError, Plugin
-from trainbus.engine.errors import suggest
+
+from .optimizer_names import OPTIMIZER_NAMES, OptimizerRequest, check_optim
+from .optimizer_state import LayerwiseOptimizer, keep_state_plain
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
 
-#: the optimizer names ``create_optimizer`` knows, as ``TrainingArguments.optim`` spells them
-OPTIMIZER_NAMES: tuple[str, ...] = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "adafactor", "rmsprop")
 
 #: layers whose parameters never get weight decay (HF forbids LayerNorm by type; we add torch's other norms)
 NORM_LAYER_TYPES: tuple[type[torch.nn.Module], ...] = (
@@ -145,22 +151,13 @@ def default_optimizer_name(model: torch.nn.Module) -> str:
     return "adamw_torch_fused" if fused_adamw_supported(model) else "adamw_torch"
 
 
-def _optimizer_class(name: str, adam_kwargs: dict[str, Any]) -> tuple[OptimizerFactory, dict[str, Any]]:
-    if name == "adamw_torch":
-        return torch.optim.AdamW, dict(adam_kwargs)
-    if name == "adamw_torch_fused":
-        return torch.optim.AdamW, {**adam_kwargs, "fused": True}
-    if name == "sgd":
-        return torch.optim.SGD, {}
-    if name == "adagrad":
-        return torch.optim.Adagrad, {}
-    if name == "adafactor":
-        return torch.optim.Adafactor, {}
-    if name == "rmsprop":
-        return torch.optim.RMSprop, {}
-    raise ConfigError(
-        f"unknown optimizer {name!r}{suggest(name, OPTIMIZER_NAMES)}; known optimizers: {', '.join(OPTIMIZER_NAMES)}"
-    )
+def _tensors_on_cuda(groups: list[dict[str, Any]]) -> bool:
+    return all(p.device.type == "cuda" for g in groups for p in g["params"])
+
+
+def _processes() -> int:
+    distributed = torch.distributed
+    return distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1
 
 
 def create_optimizer(
@@ -172,16 +169,25 @@ def create_optimizer(
     adam_beta2: float = 0.999,
     adam_epsilon: float = 1e-8,
     optim_args: str | Mapping[str, Any] | None = None,
+    *,
+    optim_target_modules: str | list[str] | None = None,
+    warmup_steps: int = 0,
 ) -> torch.optim.Optimizer:
     """Build an optimizer over ``model``'s trainable parameters, grouped for weight decay.
 
     Args:
         model: the model; parameters with ``requires_grad=False`` are left out.
-        name: one of ``OPTIMIZER_NAMES``; an optimizer class or ``factory(param_groups, **kwargs)``
-            for a user's own optimizer; None for ``default_optimizer_name(model)``.
+        name: one of ``OPTIMIZER_NAMES`` (HF's ``optim`` names); an optimizer class or
+            ``factory(param_groups, **kwargs)`` for a user's own optimizer; None for
+            ``default_optimizer_name(model)``. A name whose package is missing raises ConfigError
+            saying what to install; the package is imported only here.
         lr: learning rate. weight_decay: for the decayed group (see ``get_decay_parameter_names``).
-        adam_beta1, adam_beta2, adam_epsilon: for the AdamW names only.
-        optim_args: extra keyword arguments, as HF's ``"key=value,..."`` string or a dict.
+        adam_beta1, adam_beta2, adam_epsilon: for the names that take them (as in HF).
+        optim_args: extra keyword arguments, as HF's ``"key=value,..."`` string or a dict; the keys
+            HF reads for a name (``rank`` for GaLore, ``beta3`` for AdEMAMix, ...) keep HF's meaning.
+        optim_target_modules: for GaLore / APOLLO: the ``nn.Linear`` modules to project (names, a
+            regex or ``"all-linear"``).
+        warmup_steps: for the schedule-free optimizers' own warmup.
 
     Example:
         >>> import torch
@@ -207,22 +213,93 @@ def create_optimizer(
     extra = parse_optim_args(optim_args)
     if name is None:
         name = default_optimizer_name(model)
-    if isinstance(name, str):
-        factory, kwargs = _optimizer_class(name, {"betas": (adam_beta1, adam_beta2), "eps": adam_epsilon})
-    elif callable(name):
-        factory, kwargs = name, {}
-    else:
-        raise ConfigError(f"optimizer must be a name ({', '.join(OPTIMIZER_NAMES)}) or a class/factory, got {name!r}")
-    kwargs.update(extra)
+    if not isinstance(name, str):
+        if not callable(name):
+            known = ", ".join(OPTIMIZER_NAMES)
+            raise ConfigError(f"optimizer must be a name ({known}) or a class/factory, got {name!r}")
+        return _instantiate(getattr(name, "__name__", repr(name)), name, groups, {"lr": lr, **extra})
+    spec = check_optim(
+        name, target_modules=optim_target_modules, weight_decay=weight_decay, has_cuda=_tensors_on_cuda(groups)
+    )
+    if spec.steps_in_backward and _processes() > 1:
+        raise ConfigError(f"optim={name!r} updates the parameters inside backward, which DDP does not support")
+    request = OptimizerRequest(
+        name, model, groups, lr, weight_decay, (adam_beta1, adam_beta2), adam_epsilon, extra,
+        optim_target_modules, warmup_steps,
+    )  # fmt: skip
     try:
-        return factory(groups, lr=lr, **kwargs)
+        cls, params, kwargs = spec.resolve(request)
+    except ImportError as exc:  # the package is there but one it imports is not
+        missing = exc.name or str(exc)
+        raise ConfigError(f"optim={name!r} needs the package {missing}: pip install {missing}") from exc
+    if spec.layerwise:
+        return _instantiate(name, partial(LayerwiseOptimizer, cls), params, kwargs)
+    optimizer = _instantiate(name, cls, params, kwargs)
+    keep_state_plain(optimizer)
+    return optimizer
+
+
+def _instantiate(label: str, factory: Any, params: Any, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    try:
+        optimizer: torch.optim.Optimizer = factory(params, **kwargs)
     except TypeError as exc:
-        label = name if isinstance(name, str) else getattr(name, "__name__", repr(name))
         raise ConfigError(f"optimizer {label!r} rejected its arguments {sorted(kwargs)}: {exc}") from exc
+    return optimizer
+
+
+def optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = None) -> tuple[Any, dict[str, Any]]:
+    """The optimizer class and keyword arguments for ``args.optim``: HF's ``Trainer.get_optimizer_cls_and_kwargs``.
+
+    ``args`` is a ``TrainingArguments`` (trainbus's or HF's: ``optim``, ``optim_args``, ``learning_rate``,
+    ``adam_beta1`` / ``adam_beta2`` / ``adam_epsilon``, ``weight_decay``, ``warmup_steps``,
+    ``optim_target_modules`` are read). The keyword arguments are those ``create_optimizer`` passes,
+    which are HF's (same defaults, same ``optim_args`` keys). As in HF they hold no parameters, except
+    where the optimizer's first argument is not the model's parameter groups: GaLore / APOLLO get
+    ``params`` (the groups split into plain and projected weights, so ``model`` is required), LOMO gets
+    ``model``. HF's calling convention therefore works: pop ``params`` / ``model`` if present, then
+    ``cls(params, **kwargs)``. The layer-wise names return ``partial(LayerwiseOptimizer, inner_class)``,
+    which that call builds (HF returns a dummy optimizer and has already hooked the model).
+    ``warmup_steps`` (schedule-free) is ``args.warmup_steps`` as it stands, as in HF.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(optim="sgd", optim_args="momentum=0.9", learning_rate=0.1, weight_decay=0.0,
+        ...                        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, warmup_steps=0,
+        ...                        optim_target_modules=None)
+        >>> cls, kwargs = optimizer_cls_and_kwargs(args)
+        >>> cls.__name__, kwargs
+        ('SGD', {'lr': 0.1, 'momentum': 0.9})
+    """
+    name = str(getattr(args.optim, "value", args.optim))  # HF's arguments hold an OptimizerNames member
+    spec = check_optim(name, target_modules=args.optim_target_modules)
+    needs_model = spec.low_rank or spec.fused_backward
+    if needs_model and model is None:
+        raise ConfigError(f"optim={name!r} needs the model: call get_optimizer_cls_and_kwargs(args, model)")
+    # only the names whose kwargs carry it see the model: bitsandbytes' resolver would register its
+    # embedding overrides, which HF (and create_optimizer) do when building the optimizer, not here
+    seen = model if needs_model and model is not None else torch.nn.Module()
+    groups = parameter_groups(seen, args.weight_decay)
+    request = OptimizerRequest(
+        name, seen, groups, args.learning_rate, args.weight_decay, (args.adam_beta1, args.adam_beta2),
+        args.adam_epsilon, parse_optim_args(args.optim_args), args.optim_target_modules, args.warmup_steps,
+    )  # fmt: skip
+    try:
+        cls, params, kwargs = spec.resolve(request)
+    except ImportError as exc:
+        missing = exc.name or str(exc)
+        raise ConfigError(f"optim={name!r} needs the package {missing}: pip install {missing}") from exc
+    if spec.fused_backward:
+        kwargs["model"] = params
+    elif spec.low_rank:
+        kwargs["params"] = params
+    return (partial(LayerwiseOptimizer, cls) if spec.layerwise else cls), kwargs
 
 
 class OptimizerSetup(Plugin):
     """Creates ``engine.optimizer`` from a name when attached (unless the engine already has one).
+
+    A schedule-free name also needs ``ScheduleFreeModes``, a LOMO name ``FusedBackward`` (the
+    ``Trainer`` adds both itself).
 
     Args:
         name: see ``create_optimizer``; the other arguments are passed to it.
@@ -246,10 +323,11 @@ class OptimizerSetup(Plugin):
         adam_beta2: float = 0.999,
         adam_epsilon: float = 1e-8,
         optim_args: str | Mapping[str, Any] | None = None,
+        optim_target_modules: str | list[str] | None = None,
         replace: bool = False,
     ) -> None:
-        if isinstance(name, str) and name not in OPTIMIZER_NAMES:
-            _optimizer_class(name, {})  # raises the error listing the names
+        if isinstance(name, str):
+            check_optim(name, target_modules=optim_target_modules, weight_decay=weight_decay)
         self.optimizer_name = name
         self.kwargs: dict[str, Any] = {
             "lr": lr,
@@ -258,6 +336,7 @@ class OptimizerSetup(Plugin):
             "adam_beta2": adam_beta2,
             "adam_epsilon": adam_epsilon,
             "optim_args": parse_optim_args(optim_args),
+            "optim_target_modules": optim_target_modules,
         }
         self.replace = replace
 

@@ -1,0 +1,223 @@
+"""Checkpoint save and load: trainbus against safetensors alone, on the same tensors.
+
+Usage: python -m benchmarks.checkpoint_speed [--jobs mlp,large] [--rounds N] [--dir DIR] [--threads N]
+
+Jobs (a model after one AdamW step, so the optimizer holds both moments of every parameter):
+  mlp    the crash-test MLP 256-1024-1024-10: 1.3M parameters, 16 MB with its AdamW state (21 rounds)
+  large  MLP 256-4096-4096-4096-4096-10: 51M parameters, 617 MB with its AdamW state (9 rounds)
+  tiny   an 8-16-4 MLP: checks the code path in a second; its timings mean nothing
+
+Rows (wall-clock milliseconds: an fsync is time spent waiting, not computing):
+  save_file + fsync          every tensor a checkpoint holds (weights, AdamW moments, RNG states) in one
+                             safetensors file, fsynced once: the least a crash-safe write of them needs
+  trainbus save_checkpoint   the checkpoint: 10 files written into a temporary directory and hashed as they are
+                             written, fsynced, the directory renamed into place and its parent fsynced
+  load_file                  that one file with safetensors; lazy: it maps the file and reads nothing yet
+  load_file + xxh3           the same and one hash pass over the file: the least a verified load needs
+  load_file + xxh3 + model   the same and the weights copied into the model (``load_state_dict``): the least a
+                             verified resume needs (the optimizer takes its tensors as loaded, as in trainbus)
+  trainbus load_checkpoint   every file checked against the manifest (size, hash), then model, optimizer, state,
+                             plugins and RNG states restored
+
+A round runs the saves, then the loads, each group in an order that alternates from round to round.
+Before the loads every file is read once, untimed, so that loads time the work of loading from the
+page cache, not the disk (trainbus asks the kernel to drop a checkpoint's pages once they are
+written). After the round, what it wrote is deleted and ``os.sync()`` runs, untimed, so the file
+system's work for the deletions falls on no timed fsync. Printed per row: the median time, and the
+median over rounds of each round's ratio to a baseline with the interquartile range of those ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch as st
+import torch
+import xxhash
+
+from benchmarks.common import print_table
+from trainbus.engine import Engine
+from trainbus.plugins.checkpoints import io as cio
+from trainbus.plugins.checkpoints.checkpoint import load_checkpoint, save_checkpoint
+
+#: name -> (layer widths, default rounds)
+JOBS: dict[str, tuple[tuple[int, ...], int]] = {
+    "mlp": ((256, 1024, 1024, 10), 21),
+    "large": ((256, 4096, 4096, 4096, 4096, 10), 9),
+    "tiny": ((8, 16, 4), 3),
+}
+SAVE_BASE, SAVE = "save_file + fsync", "trainbus save_checkpoint"
+LOAD_LAZY, LOAD_HASHED, LOAD_RESUME = "load_file", "load_file + xxh3", "load_file + xxh3 + model"
+LOAD = "trainbus load_checkpoint"
+#: row -> the baselines its ratios are taken against
+AGAINST: dict[str, tuple[str, ...]] = {
+    SAVE_BASE: (),
+    SAVE: (SAVE_BASE,),
+    LOAD_LAZY: (),
+    LOAD_HASHED: (LOAD_LAZY,),
+    LOAD_RESUME: (LOAD_LAZY,),
+    LOAD: (LOAD_RESUME, LOAD_HASHED, LOAD_LAZY),
+}
+
+
+def make_engine(widths: tuple[int, ...]) -> Engine:
+    """An MLP of ``widths`` after one AdamW step on one batch."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for fan_in, fan_out in itertools.pairwise(widths):
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    batch = (torch.randn(4, widths[0]), torch.randint(0, widths[-1], (4,)))
+    engine = Engine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        train_data=[batch],
+        max_steps=1,
+        loss_fn=torch.nn.CrossEntropyLoss(),
+    )
+    engine.fit()
+    return engine
+
+
+def checkpoint_tensors(engine: Engine) -> dict[str, torch.Tensor]:
+    """Every tensor a trainbus checkpoint of ``engine`` holds, in one flat dict."""
+    assert engine.optimizer is not None
+    tensors = dict(engine.model.state_dict())
+    tensors.update(cio.split_tensors(engine.optimizer.state_dict(), "optimizer")[1])
+    tensors.update(cio.split_tensors(cio.rng_state(), "rng")[1])
+    return tensors
+
+
+def run_job(widths: tuple[int, ...], rounds: int, directory: Path) -> tuple[dict[str, list[float]], int]:
+    """Seconds per row and round, and the bytes of tensors a checkpoint holds."""
+    engine = make_engine(widths)
+    target = make_engine(widths)  # what the loads restore into
+    tensors = checkpoint_tensors(engine)
+    weight_names = list(target.model.state_dict())
+    times: dict[str, list[float]] = {row: [] for row in AGAINST}
+    for round_ in range(rounds):
+        single = directory / f"single-{round_}.safetensors"
+        engine.state.global_step = round_ + 1
+        written: list[Path] = []
+
+        def save_base() -> None:
+            st.save_file(tensors, str(single))
+            _fsync(single)
+
+        def resume_base() -> None:
+            _xxh3_of(single)
+            loaded = st.load_file(str(single))
+            target.model.load_state_dict({name: loaded[name] for name in weight_names})
+
+        saves: list[tuple[str, Callable[[], Any]]] = [
+            (SAVE_BASE, save_base),
+            (SAVE, lambda: written.append(save_checkpoint(engine, directory))),
+        ]
+        loads: list[tuple[str, Callable[[], Any]]] = [
+            (LOAD_LAZY, lambda: st.load_file(str(single))),
+            (LOAD_HASHED, lambda: (_xxh3_of(single), st.load_file(str(single)))),
+            (LOAD_RESUME, resume_base),
+            (LOAD, lambda: load_checkpoint(target, written[0])),
+        ]
+        _timed(saves, round_, times)
+        for path in [single, *written[0].iterdir()]:
+            _xxh3_of(path)  # into the page cache
+        _reset(target)
+        _timed(loads, round_, times)
+        for name, tensor in target.model.state_dict().items():  # the last loads restored what was saved
+            assert torch.equal(tensor, engine.model.state_dict()[name]), name
+        _reset(target)
+        shutil.rmtree(written[0])
+        single.unlink()
+        os.sync()
+    return times, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _timed(runs: list[tuple[str, Callable[[], Any]]], round_: int, times: dict[str, list[float]]) -> None:
+    for row, run in runs if round_ % 2 == 0 else runs[::-1]:
+        start = time.perf_counter()
+        run()
+        times[row].append(time.perf_counter() - start)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _xxh3_of(path: Path) -> str:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_128().hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return xxhash.xxh3_128(view).hexdigest()
+
+
+def _reset(engine: Engine) -> None:
+    """Zero the weights and start a fresh optimizer, untimed.
+
+    A loaded optimizer state is backed by the file it came from (safetensors maps it): dropping it
+    after the file is deleted would free the file's blocks inside the next timed load.
+    """
+    with torch.no_grad():
+        for parameter in engine.model.parameters():
+            parameter.zero_()
+    engine.optimizer = torch.optim.AdamW(engine.model.parameters(), lr=1e-3)
+
+
+def table(times: dict[str, list[float]]) -> list[list[str]]:
+    """Per row: its name, the median ms, and its median ratio (with IQR) to each of its baselines."""
+    rows = []
+    for row, baselines in AGAINST.items():
+        ratios = []
+        for base in baselines:
+            per_round = [a / b for a, b in zip(times[row], times[base])]
+            spread = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else [per_round[0]] * 3
+            ratios.append(f"{statistics.median(per_round):.2f}x {base} (IQR {spread[2] - spread[0]:.2f})")
+        rows.append([row, f"{statistics.median(times[row]) * 1e3:.2f}", "; ".join(ratios) or "baseline"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", default="mlp,large", help=f"comma-separated, of {', '.join(JOBS)}")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per job (default: the job's own)")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (copies into the model use them)")
+    args = parser.parse_args(argv)
+    names = [name for name in args.jobs.split(",") if name]
+    unknown = sorted(set(names) - set(JOBS))
+    if unknown:
+        parser.error(f"unknown jobs {unknown}; known: {', '.join(JOBS)}")
+    torch.set_num_threads(args.threads)  # 2 threads on a busy 2-core machine made a 5 MB copy_ take 30 ms
+    results = {}
+    for name in names:
+        widths, default_rounds = JOBS[name]
+        rounds = args.rounds or default_rounds
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="checkpoint-speed-") as directory:
+            results[name], nbytes = run_job(widths, rounds, Path(directory))
+        parameters = sum(fan_in * fan_out + fan_out for fan_in, fan_out in itertools.pairwise(widths))
+        print_table(
+            f"{name}: MLP {'-'.join(map(str, widths))}, {parameters / 1e6:.2f}M parameters, "
+            f"{nbytes / 1e6:.1f} MB of tensors with AdamW state; {rounds} rounds",
+            ["row", "median ms", "median ratio over rounds"],
+            table(results[name]),
+        )
+    return results
+
+
+if __name__ == "__main__":
+    main()

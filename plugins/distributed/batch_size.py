@@ -1,0 +1,127 @@
+"""``auto_find_batch_size``: on an out-of-memory error, halve the per-device batch and train again.
+
+accelerate's ``find_executable_batch_size`` runs the attempts and its ``should_reduce_batch_size``
+decides which errors mean "out of memory" (CUDA, XPU, MPS, CPU allocator messages). Each attempt
+starts from the weights, optimizer state and RNG states the run had before the first one, so the
+run that completes is the run that would have been started with that batch size (transformers
+keeps whatever the failed attempt left in the model). An out-of-memory error during evaluation is
+not the train batch's fault and is raised as transformers raises it.
+
+Across processes every rank must see the error at the same step: an error on one rank leaves the
+others waiting in a collective (as in transformers).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from trainbus.engine import Event
+
+logger = logging.getLogger("trainbus.batch_size")
+
+T = TypeVar("T")
+
+EVAL_OOM = (
+    "Evaluation hit an out-of-memory error. `auto_find_batch_size` only adjusts the training batch size, "
+    "reduce `per_device_eval_batch_size` instead."
+)
+
+
+class _Start:
+    """The model's tensors, the optimizer's state and the RNG states before the first attempt."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.tensors = [(t, t.detach().clone()) for t in model.state_dict(keep_vars=True).values()]
+        self.optimizer = optimizer
+        self.optimizer_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for live, saved in self.tensors:
+                live.copy_(saved)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
+        random.setstate(self.rng[0])
+        np.random.set_state(self.rng[1])
+        torch.set_rng_state(self.rng[2])
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def halve(batch_size: int) -> int:
+    """The next batch size to try (transformers' documented rule; accelerate's own default is x0.9)."""
+    return batch_size // 2
+
+
+def train_with_executable_batch_size(
+    engine: Any, starting_batch_size: int, use_batch_size: Callable[[int], None], train: Callable[[], T]
+) -> T:
+    """Run ``train()`` after ``use_batch_size(b)``, from ``starting_batch_size`` down, halving on out-of-memory.
+
+    ``engine.optimizer`` should exist already, so that every attempt starts from its state.
+    Raises accelerate's RuntimeError when even batch size 1 runs out of memory.
+    """
+    from accelerate.utils.memory import find_executable_batch_size, should_reduce_batch_size
+
+    start = _Start(engine.model, engine.optimizer)
+    size = {"now": starting_batch_size}
+    failed: list[tuple[int, BaseException]] = []
+    evaluating = {"now": False}
+
+    def eval_start(payload: Any) -> None:
+        evaluating["now"] = True
+
+    def eval_end(payload: Any) -> None:
+        evaluating["now"] = False
+
+    def next_size() -> int:
+        size["now"] = halve(size["now"])
+        return size["now"]
+
+    def attempt(batch_size: int) -> T:
+        if failed:
+            previous, error = failed[-1]
+            logger.warning(
+                "auto_find_batch_size: out of memory at per-device train batch size %d (%s); "
+                "training again from the start with per-device train batch size %d",
+                previous,
+                str(error).splitlines()[0],
+                batch_size,
+            )
+            start.restore()
+        use_batch_size(batch_size)
+        evaluating["now"] = False
+        try:
+            return train()
+        except Exception as exc:
+            if not should_reduce_batch_size(exc):
+                raise
+            if evaluating["now"]:
+                raise RuntimeError(EVAL_OOM) from exc
+            failed.append((batch_size, exc))
+            raise
+
+    handles = [
+        engine.on(Event.EVAL_START, eval_start, name="auto_find_batch_size.eval_start"),
+        engine.on(Event.EVAL_END, eval_end, name="auto_find_batch_size.eval_end"),
+    ]
+    try:
+        run = find_executable_batch_size(
+            attempt, starting_batch_size=starting_batch_size, reduce_batch_size_fn=next_size
+        )
+        return run()  # type: ignore[no-any-return]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+__all__ = ["EVAL_OOM", "halve", "train_with_executable_batch_size"]

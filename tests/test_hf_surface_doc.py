@@ -1,0 +1,52 @@
+"""docs/hf_surface.md stays true: what it calls supported exists, what it calls unsupported fails clearly."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.facade_helpers import Regressor, quiet_args, regression_data
+from trainbus.engine import ConfigError
+from trainbus.plugins import Trainer
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "hf_surface.md"
+ROW = re.compile(r"^\| `(?P<name>[A-Za-z_]+)` \| (?P<status>yes|no) \|", re.MULTILINE)
+
+
+def _rows() -> list[tuple[str, str]]:
+    rows = [(m["name"], m["status"]) for m in ROW.finditer(DOC.read_text(encoding="utf-8"))]
+    assert len(rows) > 40, "the method table was not found"
+    return rows
+
+
+#: the public methods of HF's Trainer method index (the seeds' 004 document) and trainer_pt_utils' helpers
+HF_METHODS = """
+__init__ create_accelerator_and_postprocess tokenizer get_train_dataloader get_eval_dataloader get_test_dataloader
+create_optimizer create_scheduler create_optimizer_and_scheduler get_optimizer_cls_and_kwargs
+get_decay_parameter_names get_num_trainable_parameters get_learning_rates get_optimizer_group num_examples
+num_tokens train training_step compute_loss get_total_train_batch_size get_tp_size set_initial_training_values
+get_batch_samples evaluate predict evaluation_loop prediction_loop prediction_step save_model add_callback
+remove_callback pop_callback hyperparameter_search is_local_process_zero is_world_process_zero log
+floating_point_ops store_flos torch_jit_model_eval autocast_smart_context_manager compute_loss_context_manager
+create_model_card push_to_hub init_hf_repo log_metrics save_metrics save_state metrics_format
+""".split()  # noqa: SIM905  (one name per word reads better here)
+
+
+def test_every_public_method_of_the_index_is_in_the_table() -> None:
+    listed = [name for name, _ in _rows()]
+    assert sorted(listed) == sorted(set(listed)), "a method is listed twice"
+    assert set(HF_METHODS) == set(listed), f"not in the table: {sorted(set(HF_METHODS) - set(listed))}"
+
+
+@pytest.mark.parametrize(("name", "status"), _rows())
+def test_the_table_says_what_the_trainer_does(name: str, status: str, tmp_path: Path) -> None:
+    if status == "yes":
+        assert hasattr(Trainer, name), f"docs/hf_surface.md says Trainer.{name} exists"
+        return
+    if not hasattr(Trainer, name):
+        return
+    trainer = Trainer(Regressor(), quiet_args(tmp_path, max_steps=1), train_dataset=regression_data(4))
+    with pytest.raises(ConfigError):
+        getattr(trainer, name)()
