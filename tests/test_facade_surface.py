@@ -367,3 +367,21 @@ def test_hf_planning_and_parameter_helpers(tmp_path: Path) -> None:
     }
     with pytest.raises(ConfigError, match="never uploads"):
         trainer.push_to_hub()
+
+
+def test_save_only_model_checkpoints_hold_the_model_and_refuse_to_resume(tmp_path: Path) -> None:
+    args = _eval_args(
+        tmp_path,
+        save_strategy="steps",
+        save_steps=2,
+        save_only_model=True,
+        load_best_model_at_end=True,
+    )
+    trainer = Trainer(Regressor(), args, train_dataset=regression_data(16), eval_dataset=regression_data(8, seed=1))
+    trainer.train()
+    newest = tmp_path / "checkpoint-4"
+    assert sorted(p.name for p in newest.iterdir()) == ["manifest.json", "model.safetensors", "trainer_state.json"]
+    assert trainer.state.best_model_checkpoint is not None  # the best model still loads at the end
+    fresh = Trainer(Regressor(), args, train_dataset=regression_data(16), eval_dataset=regression_data(8, seed=1))
+    with pytest.raises(ConfigError, match=r"save_only_model=True.*cannot resume"):
+        fresh.train(resume_from_checkpoint=True)

@@ -178,8 +178,12 @@ def save_checkpoint(
     *,
     info: dict[str, Any] | None = None,
     rng_states: Sequence[dict[str, Any]] | None = None,
+    model_only: bool = False,
 ) -> Path:
     """Write ``output_dir/checkpoint-{global_step}`` atomically and return its path.
+
+    ``model_only`` (HF's save_only_model) writes the model and the trainer state but no optimizer,
+    plugin or RNG state: smaller, and it cannot be resumed from (loading one says so).
 
     When this step is the best one (``state.best_global_step == state.global_step``), sets
     ``state.best_model_checkpoint`` to it before writing the state. On failure nothing is left
@@ -210,14 +214,16 @@ def save_checkpoint(
         else:  # a frozen base: only what trains, the base known by its fingerprint
             written = cio.write_tensors(weights, trainable_state_dict(engine.model))
         files = {weights.name: written}  # file name -> manifest entry: size, and the hash taken as it was written
-        files |= cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
-        files |= cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
-        for stem, rng in zip(rng_file_stems(len(rng_states)), rng_states, strict=True):
-            files |= cio.write_bundle(tmp, stem, rng)
+        if not model_only:
+            files |= cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
+            files |= cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
+            for stem, rng in zip(rng_file_stems(len(rng_states)), rng_states, strict=True):
+                files |= cio.write_bundle(tmp, stem, rng)
         files["trainer_state.json"] = cio.write_text(tmp / "trainer_state.json", state.to_json())
         processes = {"world_size": len(rng_states)} if len(rng_states) > 1 else {}
         base = {"frozen_base": frozen_base} if frozen_base is not None else {}
-        listed = {"global_step": state.global_step, **processes, **base, **(info or {})}
+        only = {"model_only": True} if model_only else {}
+        listed = {"global_step": state.global_step, **processes, **base, **only, **(info or {})}
         cio.write_manifest(tmp, files, listed, entries=files)
         cio.sync_files(tmp, [*files, cio.MANIFEST])  # every file and tmp's entries durable before the rename
         _publish(tmp, final)
@@ -307,6 +313,12 @@ def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) ->
     """
     directory = Path(path)
     manifest = cio.read_manifest(directory, verify=False)
+    if manifest.get("model_only"):
+        raise ConfigError(
+            f"checkpoint {directory} was saved with save_only_model=True: it holds the model but no optimizer, "
+            "scheduler or RNG state, so training cannot resume from it; load its model.safetensors as weights, "
+            "or train with save_only_model=False to get resumable checkpoints"
+        )
     sharded = SHARDED in manifest  # FSDP: every rank checks and reads only its own slices (sharded.py)
     if verify and not sharded:
         cio.read_manifest(directory, verify=True)
@@ -420,6 +432,7 @@ class Checkpointing(Plugin):
             "steps" (every ``save_steps`` and at the last step), "epoch", "best" (after an
             evaluation that found a new best).
         save_steps: an int, or a float in (0, 1) as a fraction of max_steps (as HF).
+        save_only_model: checkpoints hold the model and trainer state only (HF); they cannot be resumed.
         only_best_at_end: with ``save_total_limit=1``, a finished run deletes every checkpoint but
             the best (HF's Trainer); during the run the newest stays too, for resuming.
 
@@ -449,6 +462,7 @@ class Checkpointing(Plugin):
         save_strategy: str | None = None,
         save_steps: int | float = 500,
         only_best_at_end: bool = False,
+        save_only_model: bool = False,
     ) -> None:
         if save_total_limit is not None and (
             isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1
@@ -472,6 +486,7 @@ class Checkpointing(Plugin):
         self.save_strategy = strategy
         self.save_steps = save_steps
         self.only_best_at_end = only_best_at_end and save_total_limit == 1
+        self.save_only_model = save_only_model
         self.last_metric: float | None = None
         self.last_saved: Path | None = None
         self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
@@ -535,7 +550,9 @@ class Checkpointing(Plugin):
             if saved_by_every_rank(engine.model):  # FSDP / DeepSpeed: every rank writes its own part
                 save_sharded_checkpoint(engine, self.output_dir, info=info, rng_states=rng_states)
             elif main:
-                save_checkpoint(engine, self.output_dir, info=info, rng_states=rng_states)
+                save_checkpoint(
+                    engine, self.output_dir, info=info, rng_states=rng_states, model_only=self.save_only_model
+                )
             if main:
                 self._written = [path for path in self._written if path != final] + [final]
                 rotate_checkpoints(

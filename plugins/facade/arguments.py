@@ -86,12 +86,6 @@ LOG_LEVELS: dict[str, int | None] = {
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl", "xccl")
 
 
-#: fields kept (scripts pass them) whose non-default behaviour trainbus does not implement yet
-NOT_YET: dict[str, Any] = {
-    "save_only_model": False,
-}
-
-
 @dataclass
 class TrainingArguments:
     """The arguments of a run, named and defaulted as in ``transformers.TrainingArguments``.
@@ -253,11 +247,6 @@ class TrainingArguments:
             gradient_accumulation_steps=self.gradient_accumulation_steps, has_cuda=self.n_gpu > 0,
         )  # fmt: skip
         self._check_devices_and_data()
-        for name, default in NOT_YET.items():
-            if getattr(self, name) != default:
-                raise ConfigError(
-                    f"{name}={getattr(self, name)!r} is not supported by trainbus yet; leave it at {default!r}"
-                )
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_numbers(self) -> None:

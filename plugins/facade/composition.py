@@ -149,7 +149,13 @@ def build_plugins(
         plugins.append(BestMetric(args.metric_for_best_model, args.greater_is_better))
     # present with save_strategy="no" too: a callback's control.should_save still gets a checkpoint (HF)
     plugins.append(
-        Checkpointing(args.output_dir, args.save_total_limit, args.metric_for_best_model, only_best_at_end=True)
+        Checkpointing(
+            args.output_dir,
+            args.save_total_limit,
+            args.metric_for_best_model,
+            only_best_at_end=True,
+            save_only_model=args.save_only_model,
+        )
     )
     if args.load_best_model_at_end:
         plugins.append(LoadBestModelAtEnd())
