@@ -15,8 +15,15 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "hf_surface.md"
 ROW = re.compile(r"^\| `(?P<name>[A-Za-z_]+)` \| (?P<status>yes|no) \|", re.MULTILINE)
 
 
+def _section(title: str) -> str:
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
 def _rows() -> list[tuple[str, str]]:
-    rows = [(m["name"], m["status"]) for m in ROW.finditer(DOC.read_text(encoding="utf-8"))]
+    rows = [(m["name"], m["status"]) for m in ROW.finditer(_section("Methods"))]
     assert len(rows) > 40, "the method table was not found"
     return rows
 
@@ -50,3 +57,40 @@ def test_the_table_says_what_the_trainer_does(name: str, status: str, tmp_path: 
     trainer = Trainer(Regressor(), quiet_args(tmp_path, max_steps=1), train_dataset=regression_data(4))
     with pytest.raises(ConfigError):
         getattr(trainer, name)()
+
+
+ARG_ROW = re.compile(r"^\| `(?P<name>[a-z_0-9]+)` \| (?P<status>yes|default only) \|", re.MULTILINE)
+
+
+def test_the_arguments_table_lists_every_hf_field_with_what_trainbus_does() -> None:
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    from trainbus.plugins.facade.arguments import UNSUPPORTED, TrainingArguments
+
+    rows = {m["name"]: m["status"] for m in ARG_ROW.finditer(_section("TrainingArguments"))}
+    hf = [f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init]
+    ours = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert set(rows) == set(hf), f"rows missing: {sorted(set(hf) - set(rows))}; extra: {sorted(set(rows) - set(hf))}"
+    for name in hf:
+        expected = "yes" if name in ours else "default only"
+        assert rows[name] == expected, f"docs/hf_surface.md says {name}: {rows[name]}, the code does {expected}"
+        if expected == "default only":
+            default = UNSUPPORTED[name][0]
+            TrainingArguments("out", **{name: default})  # the default is accepted
+
+
+def test_the_readme_counts_match_the_tables() -> None:
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    from trainbus.plugins.facade.arguments import TrainingArguments
+
+    readme = (DOC.parents[1] / "README.md").read_text(encoding="utf-8")
+    hf = [f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init]
+    ours = {f.name for f in dataclasses.fields(TrainingArguments)}
+    supported = sum(name in ours for name in hf)
+    assert f"{supported} of transformers 5's {len(hf)} fields" in readme
+    assert f"the other {len(hf) - supported} " in readme
+    methods = _rows()
+    assert f"{sum(s == 'yes' for _, s in methods)} of the {len(methods)} public methods" in readme
