@@ -385,3 +385,36 @@ def test_save_only_model_checkpoints_hold_the_model_and_refuse_to_resume(tmp_pat
     fresh = Trainer(Regressor(), args, train_dataset=regression_data(16), eval_dataset=regression_data(8, seed=1))
     with pytest.raises(ConfigError, match=r"save_only_model=True.*cannot resume"):
         fresh.train(resume_from_checkpoint=True)
+
+
+def test_optimizer_cls_and_kwargs_and_an_overridden_get_optimizer_cls_and_kwargs_build_the_optimizer(
+    tmp_path: Path,
+) -> None:
+    args = quiet_args(tmp_path, max_steps=2, weight_decay=0.1)
+    given = Trainer(
+        Regressor(),
+        args,
+        train_dataset=regression_data(8),
+        optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05, "momentum": 0.5}),
+    )
+    given.train()
+    assert type(given.optimizer) is torch.optim.SGD and given.optimizer.param_groups[0]["momentum"] == 0.5
+    assert [g["weight_decay"] for g in given.optimizer.param_groups] == [0.1, 0.0]  # HF's decay groups
+
+    class RMSpropTrainer(Trainer):
+        @staticmethod
+        def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, dict[str, Any]]:
+            return torch.optim.RMSprop, {"lr": args.learning_rate, "alpha": 0.9}
+
+    overriding = RMSpropTrainer(Regressor(), args, train_dataset=regression_data(8))
+    overriding.train()
+    assert type(overriding.optimizer) is torch.optim.RMSprop and overriding.optimizer.param_groups[0]["alpha"] == 0.9
+    with pytest.raises(ConfigError, match="not both"):
+        model = Regressor()
+        Trainer(
+            model,
+            args,
+            train_dataset=regression_data(8),
+            optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
+            optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}),
+        )

@@ -44,7 +44,7 @@ from ..evaluation.collector import PredictionOutput, hf_prediction_step
 from ..observability.logging import TrainLogger
 from ..observability.memory import MemoryMetrics
 from ..optimization.accumulation import GradientAccumulation, count_items
-from ..optimization.optimizers import create_optimizer, fused_adamw_supported
+from ..optimization.optimizers import create_optimizer, fused_adamw_supported, parameter_groups
 from ..optimization.schedulers import LRScheduler, create_scheduler
 from .arguments import TrainingArguments
 from .callbacks import CallbackAdapter
@@ -97,12 +97,16 @@ class Trainer(TrainerUtilities, Engine):
         compute_metrics: Callable[[Any], dict[str, float]] | None = None,
         callbacks: list[Any] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
         preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
         if not isinstance(self.args, TrainingArguments):
             raise ConfigError(f"args must be trainbus TrainingArguments, got {type(self.args).__name__}")
         args = self.args
+        if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
+            raise ConfigError("pass either optimizers=(optimizer, scheduler) or optimizer_cls_and_kwargs, not both")
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.memory_metrics = None if args.skip_memory_metrics else MemoryMetrics()
         if self.memory_metrics is not None:
             self.memory_metrics.start("init")  # HF measures the constructor as the "init" stage
@@ -403,6 +407,10 @@ class Trainer(TrainerUtilities, Engine):
             self.add_plugin(LRScheduler(scheduler, metric=getattr(old, "metric", "loss")))
 
     def create_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None and (
+            self.optimizer_cls_and_kwargs is not None or self.overrides("get_optimizer_cls_and_kwargs")
+        ):
+            self.optimizer = self._optimizer_from_cls_and_kwargs()
         if self.optimizer is None:
             args = self.args
             name = args.optim
@@ -415,6 +423,20 @@ class Trainer(TrainerUtilities, Engine):
                 warmup_steps=args.get_warmup_steps(total_steps),
             )  # fmt: skip
         return self.optimizer
+
+    def _optimizer_from_cls_and_kwargs(self) -> torch.optim.Optimizer:
+        """HF's path for ``optimizer_cls_and_kwargs`` or an overridden ``get_optimizer_cls_and_kwargs``:
+        the class gets the weight-decay groups, unless the kwargs bring ``params`` or ``model`` (GaLore, LOMO)."""
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        kwargs = dict(kwargs)
+        params: Any = parameter_groups(self.model, self.args.weight_decay)
+        for key in ("params", "model"):
+            if key in kwargs:
+                params = kwargs.pop(key)
+        return optimizer_cls(params, **kwargs)  # type: ignore[no-any-return]
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """Build the scheduler now (HF); the LRScheduler plugin then steps this instance."""
