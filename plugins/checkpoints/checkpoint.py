@@ -241,19 +241,7 @@ def rng_file_stems(processes: int) -> list[str]:
 
 def _publish(tmp: Path, final: Path) -> None:
     """Rename ``tmp`` to ``final``; an existing ``final`` (a re-save of that step) is replaced."""
-    old = None
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        if old is not None:  # put the previous save of this step back
-            os.replace(old, final)
-        raise
-    cio.fsync_path(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    cio.publish_directory(tmp, final)
 
 
 # -- load / resume --------------------------------------------------------------------------------
@@ -548,7 +536,9 @@ class Checkpointing(Plugin):
             info["metric"] = {"key": self.best_metric_key, "value": self.last_metric}
         try:
             if saved_by_every_rank(engine.model):  # FSDP / DeepSpeed: every rank writes its own part
-                save_sharded_checkpoint(engine, self.output_dir, info=info, rng_states=rng_states)
+                save_sharded_checkpoint(
+                    engine, self.output_dir, info=info, rng_states=rng_states, model_only=self.save_only_model
+                )
             elif main:
                 save_checkpoint(
                     engine, self.output_dir, info=info, rng_states=rng_states, model_only=self.save_only_model

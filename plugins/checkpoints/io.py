@@ -26,6 +26,7 @@ import math
 import mmap
 import os
 import random
+import shutil
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
@@ -466,26 +467,57 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             warnings.warn("the checkpoint holds CUDA RNG states but CUDA is not available; not restored", stacklevel=2)
 
 
+def publish_directory(tmp: Path, final: Path) -> None:
+    """Rename a finished ``tmp`` directory to ``final`` and fsync the parent; an existing ``final`` (a
+    re-save of that step) is replaced, and put back if the rename fails."""
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if old is not None:
+            os.replace(old, final)
+        raise
+    fsync_path(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 # -- final model ----------------------------------------------------------------------------------
-def save_model(model: torch.nn.Module, output_dir: str | Path) -> Path:
+def save_model(
+    model: torch.nn.Module,
+    output_dir: str | Path,
+    *,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    model_class: type | None = None,
+) -> Path:
     """Save a model users can load (K6): ``save_pretrained`` for HF models, else safetensors + JSON.
 
     A plain module gets ``model.safetensors`` and ``trainbus_model.json`` (its class and
-    parameter count); load it with ``load_model_weights(model, output_dir)``.
+    parameter count); load it with ``load_model_weights(model, output_dir)``. ``state_dict`` gives
+    the tensors when the model's own are shards (a gathered FSDP / ZeRO model), ``model_class`` the
+    class to record when the model's type is a wrapper's.
     """
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     save_pretrained = getattr(model, "save_pretrained", None)
     if callable(save_pretrained):
-        kwargs = (
+        kwargs: dict[str, Any] = (
             {"safe_serialization": True}
             if "safe_serialization" in inspect.signature(save_pretrained).parameters
             else {}
         )
+        if state_dict is not None:
+            kwargs["state_dict"] = state_dict
         save_pretrained(str(root), **kwargs)
         return root
-    save_weights(model, root / "model.safetensors")
-    kind = type(model)
+    if state_dict is None:
+        save_weights(model, root / "model.safetensors")
+    else:
+        write_tensors(root / "model.safetensors", state_dict)
+    kind = model_class or type(model)
     write_json(
         root / "trainbus_model.json",
         {

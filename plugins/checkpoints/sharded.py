@@ -31,7 +31,6 @@ the fp32 partitions).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
@@ -154,11 +153,14 @@ def save_sharded_checkpoint(
     *,
     info: Mapping[str, Any] | None = None,
     rng_states: Sequence[dict[str, Any]] | None = None,
+    model_only: bool = False,
 ) -> Path:
     """Write ``output_dir/checkpoint-{global_step}`` from every rank; every rank must call it.
 
-    ``rng_states`` (rank 0): every rank's RNG states in rank order. Returns the checkpoint's path on
-    every rank; a failure on any rank leaves no checkpoint and raises on every rank.
+    ``rng_states`` (rank 0): every rank's RNG states in rank order. ``model_only`` (HF's
+    save_only_model): the weights and the trainer state, no optimizer, plugin or RNG states (under
+    ZeRO-3 the ZeRO partitions stay: they hold the weights). Returns the checkpoint's path on every
+    rank; a failure on any rank leaves no checkpoint and raises on every rank.
     """
     if engine.optimizer is None:
         raise ConfigError("save_checkpoint needs engine.optimizer: a checkpoint without it cannot resume")
@@ -175,11 +177,13 @@ def save_sharded_checkpoint(
     if outcome is None:
         try:
             _reshard(engine.model)
-            written = _write_rank_files(engine, tmp, me)
+            written = _write_rank_files(engine, tmp, me, model_only)
         except Exception as exc:  # reported to rank 0, which aborts the save for every rank
             written = f"rank {me}: {type(exc).__name__}: {exc}"
         gathered = gather_to_main(written)
-        outcome = _on_main(lambda: _finish(engine, tmp, final, gathered or [], info or {}, rng_states or []))
+        rngs = [] if model_only else rng_states or []
+        listed = {**(info or {}), **({"model_only": True} if model_only else {})}
+        outcome = _on_main(lambda: _finish(engine, tmp, final, gathered or [], listed, rngs, plugins=not model_only))
     if outcome is not None:
         state.best_model_checkpoint = previous_best
         raise RuntimeError(f"saving the sharded checkpoint {final} failed: {outcome}")
@@ -204,27 +208,29 @@ def _fresh_directory(tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write_rank_files(engine: Engine, tmp: Path, r: int) -> dict[str, Any]:
+def _write_rank_files(engine: Engine, tmp: Path, r: int, model_only: bool) -> dict[str, Any]:
     """This rank's files, synced; returns the files' manifest entries, its layout and index entries."""
     ds_engine = deepspeed_engine_of(engine.model)
     if ds_engine is not None:
-        return _write_zero_files(engine.model, ds_engine, tmp, r)
+        return _write_zero_files(engine.model, ds_engine, tmp, r, model_only)
     tensors, entries = _local_model_state(engine.model, r)
     assert engine.optimizer is not None
     files = {model_file(r): cio.write_tensors(tmp / model_file(r), tensors)}
-    files |= cio.write_bundle(tmp, optimizer_stem(r), _local_optimizer_state(engine.optimizer))
+    if not model_only:
+        files |= cio.write_bundle(tmp, optimizer_stem(r), _local_optimizer_state(engine.optimizer))
     cio.sync_files(tmp, files)
     return {"layout": "fsdp2", "tensors": entries, "files": files}
 
 
-def _write_zero_files(model: torch.nn.Module, ds_engine: Any, tmp: Path, r: int) -> dict[str, Any]:
+def _write_zero_files(model: torch.nn.Module, ds_engine: Any, tmp: Path, r: int, model_only: bool) -> dict[str, Any]:
     stage = int(ds_engine.zero_optimization_stage())
     files = {}
     if r == 0:  # ZeRO-1/2: every rank holds the whole module; ZeRO-3: only the buffers are whole
         params = {name for name, _ in model.named_parameters()} if stage == 3 else set()
         kept = {k: v for k, v in model.state_dict().items() if k not in params}
         files[model_file(0)] = cio.write_tensors(tmp / model_file(0), kept)
-    files |= cio.write_bundle(tmp, zero_stem(r), zero_state(ds_engine))
+    if stage == 3 or not model_only:
+        files |= cio.write_bundle(tmp, zero_stem(r), zero_state(ds_engine))
     cio.sync_files(tmp, files)
     return {"layout": f"deepspeed-zero{stage}", "files": files}
 
@@ -236,6 +242,8 @@ def _finish(
     gathered: list[Any],
     info: Mapping[str, Any],
     rng_states: Sequence[dict[str, Any]],
+    *,
+    plugins: bool,
 ) -> None:
     """Rank 0: the shared files, the index and the manifest, then publish; removes ``tmp`` on failure."""
     try:
@@ -244,7 +252,8 @@ def _finish(
             raise RuntimeError("; ".join(failures))
         layout = gathered[0]["layout"]
         shared = {INDEX: cio.write_json(tmp / INDEX, _index(gathered))} if layout == "fsdp2" else {}
-        shared |= cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
+        if plugins:
+            shared |= cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
         stems = ["rng"] if len(rng_states) == 1 else [f"rng-{r}" for r in range(len(rng_states))]
         for stem, rng in zip(stems, rng_states, strict=True):
             shared |= cio.write_bundle(tmp, stem, rng)
@@ -253,7 +262,7 @@ def _finish(
         listed = {"global_step": engine.state.global_step, "world_size": len(gathered), SHARDED: layout, **info}
         cio.write_manifest(tmp, files, listed, entries=files)  # every rank hashed its own files as it wrote them
         cio.sync_files(tmp, [*shared, cio.MANIFEST])
-        _publish(tmp, final)
+        cio.publish_directory(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -268,23 +277,6 @@ def _index(gathered: list[Any]) -> dict[str, Any]:
             if "slice" in entry:
                 merged.setdefault("slices", []).append({"rank": r, **entry["slice"]})
     return {"format": INDEX_FORMAT, "world_size": len(gathered), "tensors": tensors}
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished directory into place (checkpoint.py's ``_publish`` sits above this module)."""
-    old = None
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        if old is not None:
-            os.replace(old, final)
-        raise
-    cio.fsync_path(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -473,35 +465,16 @@ def save_full_model(model: torch.nn.Module, output_dir: str | Path, *, write: bo
     from torch.distributed.fsdp import FSDPModule
 
     ds_engine = deepspeed_engine_of(model)
+    full: dict[str, torch.Tensor]
     if ds_engine is not None:
         full = _zero_full_state(model, ds_engine)
     else:
         _reshard(model)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # type: ignore[assignment]
     if not write:
         return
-    root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    save_pretrained = getattr(model, "save_pretrained", None)
-    if callable(save_pretrained):
-        options = (
-            {"safe_serialization": True}
-            if "safe_serialization" in inspect.signature(save_pretrained).parameters
-            else {}
-        )
-        save_pretrained(str(root), state_dict=full, **options)
-        return
-    cio.write_tensors(root / "model.safetensors", full)
     kind = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 made a subclass of it
-    cio.write_json(
-        root / "trainbus_model.json",
-        {
-            "format": "trainbus-model",
-            "class": f"{kind.__module__}.{kind.__qualname__}",
-            "weights": "model.safetensors",
-            "num_parameters": sum(p.numel() for p in model.parameters()),
-        },
-    )
+    cio.save_model(model, output_dir, state_dict=full, model_class=kind)
 
 
 def _zero_full_state(model: torch.nn.Module, ds_engine: Any) -> dict[str, torch.Tensor]:
