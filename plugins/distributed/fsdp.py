@@ -76,9 +76,14 @@ def _as_bool(key: str, value: Any) -> bool:
 
 
 def read_fsdp_config(fsdp_config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
-    """``fsdp_config`` as a dict with the ``fsdp_`` prefixes dropped (a path is read as JSON)."""
+    """``fsdp_config`` as a dict with the ``fsdp_`` prefixes dropped (a path is read as JSON; so is a JSON string)."""
     if fsdp_config is None:
         return {}
+    if isinstance(fsdp_config, str) and fsdp_config.lstrip().startswith("{"):  # JSON from the command line
+        try:
+            fsdp_config = json.loads(fsdp_config)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"the fsdp_config JSON string is not valid JSON: {exc}") from exc
     if isinstance(fsdp_config, str | os.PathLike):
         path = Path(fsdp_config)
         try:

@@ -553,9 +553,11 @@ class Trainer(TrainerUtilities, Engine):
 
     @property
     def model_wrapped(self) -> torch.nn.Module:
-        """The model as training runs it: its DDP wrapper across processes, else the model itself (HF)."""
-        ddp = None if self.distributed is None else self.distributed.ddp
-        return self.model if ddp is None else ddp
+        """The model as training runs it: its DDP wrapper or DeepSpeed engine, else the model itself (HF)."""
+        distributed = self.distributed
+        zero = None if distributed is None or distributed.zero is None else distributed.zero.ds_engine
+        wrapper = None if distributed is None else distributed.ddp or zero
+        return self.model if wrapper is None else wrapper
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Log ``logs`` (adds ``epoch``, appends to ``state.log_history``, calls on_log)."""
