@@ -52,6 +52,7 @@ from benchmarks.common import print_table
 from trainbus.engine import Engine
 from trainbus.plugins.checkpoints import io as cio
 from trainbus.plugins.checkpoints.checkpoint import load_checkpoint, save_checkpoint
+from trainbus.plugins.checkpoints.codec import split_tensors
 
 #: name -> (layer widths, default rounds)
 JOBS: dict[str, tuple[tuple[int, ...], int]] = {
@@ -98,8 +99,8 @@ def checkpoint_tensors(engine: Engine) -> dict[str, torch.Tensor]:
     """Every tensor a trainbus checkpoint of ``engine`` holds, in one flat dict."""
     assert engine.optimizer is not None
     tensors = dict(engine.model.state_dict())
-    tensors.update(cio.split_tensors(engine.optimizer.state_dict(), "optimizer")[1])
-    tensors.update(cio.split_tensors(cio.rng_state(), "rng")[1])
+    tensors.update(split_tensors(engine.optimizer.state_dict(), "optimizer")[1])
+    tensors.update(split_tensors(cio.rng_state(), "rng")[1])
     return tensors
 
 

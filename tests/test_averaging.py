@@ -670,7 +670,7 @@ def test_swa_resume_is_bit_exact(tmp_path: Path, unit: str, kind: str, at: int) 
 
 
 def test_swa_state_round_trips_through_json_and_tensors() -> None:
-    from trainbus.plugins.checkpoints.io import join_tensors, split_tensors
+    from trainbus.plugins.checkpoints.codec import join_tensors, split_tensors
 
     swa = SWA(0.03, start_epoch=1)
     engine, _ = swa_engine(swa, epochs=3)

@@ -25,6 +25,7 @@ import trainbus.plugins.checkpoints.checkpoint as ck
 from trainbus.engine import ConfigError, Engine
 from trainbus.plugins.checkpoints import io as cio
 from trainbus.plugins.checkpoints.checkpoint import load_checkpoint, resume, save_checkpoint
+from trainbus.plugins.checkpoints.codec import join_tensors, split_tensors
 from trainbus.plugins.checkpoints.frozen import base_fingerprint
 
 TENSOR_FILES = ["model.safetensors", "optimizer.safetensors", "plugins.safetensors", "rng.safetensors"]
@@ -241,9 +242,9 @@ def test_plain_sequences_and_integer_arrays_round_trip_and_come_back_as_new_obje
         "floats": np.array([1.5, np.inf, -np.inf, np.nan], dtype=np.float32),
         "mixed": [1, (2, 3), [torch.ones(2), 4]],
     }
-    structure, tensors = cio.split_tensors(value, "x")
+    structure, tensors = split_tensors(value, "x")
     assert structure["ints"] is not value["ints"]
-    back = cio.join_tensors(json.loads(json.dumps(structure)), tensors, "x.json")
+    back = join_tensors(json.loads(json.dumps(structure)), tensors, "x.json")
     assert back["python"] == value["python"]
     assert back["numpy"][0] == "MT19937" and np.array_equal(back["numpy"][1], value["numpy"][1])
     assert back["numpy"][1].dtype == value["numpy"][1].dtype and back["numpy"][2:] == value["numpy"][2:]

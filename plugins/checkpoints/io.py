@@ -1,12 +1,9 @@
 """Checkpoint files without pickle: tensors in safetensors, everything else in strict JSON.
 
-A nested state (an optimizer's ``state_dict()``, the plugins' states, the RNG states) is split
-into a JSON structure and a flat ``{key: tensor}`` dict: each tensor is replaced in the JSON by
-``{"__tensor__": key}``. Tuples, dicts with non-string keys, non-finite floats, numpy arrays and
-torch dtypes are written as small tagged objects, so loading restores the same Python values
-without ever running code from a file (K7). Every file of a checkpoint is listed with its size
-and hash in ``manifest.json``, written last: a directory without a valid manifest is not a
-checkpoint (K3).
+A nested state is written as a bundle, ``stem.json`` + ``stem.safetensors``: ``codec.py`` splits it
+into a JSON structure and its tensors, and restores the same Python values without ever running
+code from a file (K7). Every file of a checkpoint is listed with its size and hash in
+``manifest.json``, written last: a directory without a valid manifest is not a checkpoint (K3).
 
 Speed (``benchmarks/checkpoint_speed.py``): a file is hashed once, as it is written (JSON from the
 bytes in hand, safetensors from the page cache through a memory map, no copy), with xxh3_128
@@ -22,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import math
 import mmap
 import os
 import random
@@ -41,7 +37,9 @@ import xxhash
 
 from trainbus.engine import ConfigError
 
-try:  # numpy is optional for the codec; torch works without it
+from . import codec
+
+try:  # numpy is optional: its RNG state is saved when it is installed
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with every supported torch
     np = None  # type: ignore[assignment]
@@ -61,116 +59,6 @@ class _Hasher(Protocol):
 HASHES: dict[str, Callable[..., _Hasher]] = {HASH: xxhash.xxh3_128, "sha256": hashlib.sha256}
 _SYNC_THREADS = 16
 _POOL: ThreadPoolExecutor | None = None  # see _sync_pool
-
-_TENSOR, _TUPLE, _DICT, _FLOAT, _NDARRAY, _DTYPE = (
-    "__tensor__",
-    "__tuple__",
-    "__dict__",
-    "__float__",
-    "__ndarray__",
-    "__dtype__",
-)
-_MARKERS = frozenset({_TENSOR, _TUPLE, _DICT, _FLOAT, _NDARRAY, _DTYPE})
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-_ALLOWED = "tensors, numbers, strings, None, lists, tuples, dicts, numpy arrays and torch dtypes"
-#: values that are JSON as they are: a sequence of only these is copied whole, not walked item by item
-#: (an RNG state holds about 1,250 ints; walking them was most of the time a save spent in Python)
-_PLAIN = frozenset({int, str, bool, type(None)})
-_NESTED = frozenset({dict, list})  # what json.loads builds that _decode has to look into
-
-
-# -- codec: nested values <-> (JSON, tensors) -----------------------------------------------------
-def split_tensors(value: Any, root: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
-    """Return ``(json_value, tensors)``: the value with each tensor replaced by a reference.
-
-    Raises ConfigError naming the path of a value that is neither JSON nor a tensor.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    return _encode(value, root, tensors), tensors
-
-
-def join_tensors(value: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
-    """Inverse of ``split_tensors``; ``where`` names the file in error messages."""
-    return _decode(value, tensors, where)
-
-
-def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        key = path or "."
-        while key in tensors:  # distinct paths cannot collide, but a key may contain '/'
-            key += "'"
-        tensors[key] = value
-        return {_TENSOR: key}
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return value
-        return {_FLOAT: "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")}
-    if isinstance(value, Mapping):
-        if all(isinstance(k, str) for k in value) and not _MARKERS.intersection(value):
-            return {k: _encode(v, f"{path}/{k}", tensors) for k, v in value.items()}
-        # int keys (optimizer state), or keys that look like our tags: keep them as pairs
-        return {_DICT: [[_encode(k, f"{path}/#{i}", tensors), _encode(v, f"{path}/{k}", tensors)]
-                        for i, (k, v) in enumerate(value.items())]}  # fmt: skip
-    if isinstance(value, list | tuple):
-        if all(type(v) in _PLAIN for v in value):
-            items = list(value)
-        else:
-            items = [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
-        return {_TUPLE: items} if isinstance(value, tuple) else items
-    if isinstance(value, torch.dtype):
-        return {_DTYPE: str(value).removeprefix("torch.")}
-    if np is not None and isinstance(value, np.ndarray | np.generic):
-        array = np.asarray(value)
-        if array.dtype.kind not in "biuf":
-            raise ConfigError(
-                f"cannot checkpoint a numpy array of dtype {array.dtype} at {path!r}; allowed: {_ALLOWED}"
-            )
-        data = array.ravel().tolist()
-        if array.dtype.kind == "f":  # non-finite values need their tags
-            data = [_encode(v, path, tensors) for v in data]
-        return {_NDARRAY: {"dtype": array.dtype.str, "shape": list(array.shape), "data": data}}
-    raise ConfigError(
-        f"cannot checkpoint a value of type {type(value).__name__} at {path!r}: only {_ALLOWED} are saved (no pickle)"
-    )
-
-
-def _decode(value: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
-    if isinstance(value, list):
-        return _decode_items(value, tensors, where)
-    if not isinstance(value, dict):
-        return value
-    if len(value) == 1:
-        ((tag, inner),) = value.items()
-        if tag == _TENSOR:
-            if inner not in tensors:
-                raise ConfigError(f"{where}: refers to tensor {inner!r}, which its .safetensors file lacks")
-            return tensors[inner]
-        if tag == _TUPLE:
-            return tuple(_decode_items(inner, tensors, where))
-        if tag == _DICT:
-            return {_decode(k, tensors, where): _decode(v, tensors, where) for k, v in inner}
-        if tag == _FLOAT:
-            return _NONFINITE[inner]
-        if tag == _DTYPE:
-            dtype = getattr(torch, inner, None)
-            if not isinstance(dtype, torch.dtype):
-                raise ConfigError(f"{where}: unknown torch dtype {inner!r}")
-            return dtype
-        if tag == _NDARRAY:
-            if np is None:  # pragma: no cover
-                raise ConfigError(f"{where}: holds a numpy array but numpy is not installed")
-            data = _decode_items(inner["data"], tensors, where)
-            array = np.array(data, dtype=np.dtype(inner["dtype"])).reshape(inner["shape"])
-            return array[()] if array.ndim == 0 else array
-    return {k: _decode(v, tensors, where) for k, v in value.items()}
-
-
-def _decode_items(values: list[Any], tensors: Mapping[str, torch.Tensor], where: str) -> list[Any]:
-    if all(type(v) not in _NESTED for v in values):
-        return list(values)  # nothing to decode inside: copied in C
-    return [_decode(v, tensors, where) for v in values]
 
 
 # -- files ----------------------------------------------------------------------------------------
@@ -327,7 +215,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def write_bundle(directory: Path, stem: str, value: Any) -> dict[str, dict[str, Any]]:
     """Write ``value`` as ``stem.json`` + ``stem.safetensors``; returns their manifest entries by file name."""
-    structure, tensors = split_tensors(value, stem)
+    structure, tensors = codec.split_tensors(value, stem)
     return {
         f"{stem}.safetensors": write_tensors(directory / f"{stem}.safetensors", tensors),
         f"{stem}.json": write_json(directory / f"{stem}.json", {"format": FORMAT, "data": structure}, indent=None),
@@ -343,7 +231,7 @@ def read_bundle(directory: Path, stem: str) -> Any:
     # copies, not views of the file: load_file maps it, and state updated in place (an optimizer's)
     # would keep a checkpoint that rotation deletes allocated on disk for the rest of the run
     tensors = {key: tensor.clone() for key, tensor in read_tensors(directory / f"{stem}.safetensors").items()}
-    return join_tensors(doc["data"], tensors, str(path))
+    return codec.join_tensors(doc["data"], tensors, str(path))
 
 
 # -- manifest -------------------------------------------------------------------------------------
@@ -386,6 +274,18 @@ def read_manifest(directory: Path, *, verify: bool = True) -> dict[str, Any]:
         for name, entry in manifest["files"].items():
             verify_file(directory / name, entry, path)
     return manifest
+
+
+def verify_listed(directory: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> None:
+    """Check the named files of ``directory`` against its manifest, which must list them.
+
+    A rank of a sharded run checks the files it reads this way, not the whole checkpoint.
+    """
+    for name in names:
+        entry = manifest["files"].get(name)
+        if entry is None:
+            raise ConfigError(f"checkpoint file {directory / name} is not listed in {directory / MANIFEST}")
+        verify_file(directory / name, entry, directory / MANIFEST)
 
 
 def verify_file(file: Path, entry: Any, manifest: Path) -> None:

@@ -21,11 +21,7 @@ into a single ``model.safetensors``, a model that starts a run at any number of 
 ``save_full_model`` is ``save_model`` for a sharded model: every rank takes part in gathering the
 full weights to the CPU of rank 0, which writes one safetensors file.
 
-A DeepSpeed (ZeRO) run is saved the same way, with ``zero-rank{r}.json`` + ``.safetensors`` in place of
-the optimizer files: rank r's ZeRO state as plain values (its fp32 master partitions, optimizer states,
-loss scale; ``distributed/deepspeed.py``), and ``model-rank0.safetensors`` the module's weights for
-ZeRO-1/2 (every rank holds them all) or only its buffers for ZeRO-3 (whose weights are restored from
-the fp32 partitions).
+A DeepSpeed (ZeRO) run is saved the same way, with its own rank files (``zero.py``).
 """
 
 from __future__ import annotations
@@ -42,10 +38,11 @@ from safetensors import SafetensorError, safe_open
 
 from trainbus.engine import ConfigError, Engine
 
-from ..distributed.deepspeed import deepspeed_engine_of, load_zero_state, zero_state
+from ..distributed.deepspeed import deepspeed_engine_of
 from ..distributed.fsdp import is_sharded
 from ..distributed.processes import broadcast_from_main, gather_to_main, rank, world_size
 from . import io as cio
+from .zero import is_zero_layout, load_zero, model_file, write_zero_files, zero_full_state, zero_world_size_error
 
 #: the manifest key that marks a checkpoint written in shards (its value: the sharding's name)
 SHARDED = "sharded"
@@ -70,16 +67,8 @@ def saved_by_every_rank(model: torch.nn.Module) -> bool:
     return is_sharded(model) or deepspeed_engine_of(model) is not None
 
 
-def model_file(r: int) -> str:
-    return f"model-rank{r}.safetensors"
-
-
 def optimizer_stem(r: int) -> str:
     return f"optimizer-rank{r}"
-
-
-def zero_stem(r: int) -> str:
-    return f"zero-rank{r}"
 
 
 def rank_files(r: int) -> list[str]:
@@ -212,7 +201,7 @@ def _write_rank_files(engine: Engine, tmp: Path, r: int, model_only: bool) -> di
     """This rank's files, synced; returns the files' manifest entries, its layout and index entries."""
     ds_engine = deepspeed_engine_of(engine.model)
     if ds_engine is not None:
-        return _write_zero_files(engine.model, ds_engine, tmp, r, model_only)
+        return write_zero_files(engine.model, ds_engine, tmp, r, model_only)
     tensors, entries = _local_model_state(engine.model, r)
     assert engine.optimizer is not None
     files = {model_file(r): cio.write_tensors(tmp / model_file(r), tensors)}
@@ -220,19 +209,6 @@ def _write_rank_files(engine: Engine, tmp: Path, r: int, model_only: bool) -> di
         files |= cio.write_bundle(tmp, optimizer_stem(r), _local_optimizer_state(engine.optimizer))
     cio.sync_files(tmp, files)
     return {"layout": "fsdp2", "tensors": entries, "files": files}
-
-
-def _write_zero_files(model: torch.nn.Module, ds_engine: Any, tmp: Path, r: int, model_only: bool) -> dict[str, Any]:
-    stage = int(ds_engine.zero_optimization_stage())
-    files = {}
-    if r == 0:  # ZeRO-1/2: every rank holds the whole module; ZeRO-3: only the buffers are whole
-        params = {name for name, _ in model.named_parameters()} if stage == 3 else set()
-        kept = {k: v for k, v in model.state_dict().items() if k not in params}
-        files[model_file(0)] = cio.write_tensors(tmp / model_file(0), kept)
-    if stage == 3 or not model_only:
-        files |= cio.write_bundle(tmp, zero_stem(r), zero_state(ds_engine))
-    cio.sync_files(tmp, files)
-    return {"layout": f"deepspeed-zero{stage}", "files": files}
 
 
 def _finish(
@@ -280,15 +256,6 @@ def _index(gathered: list[Any]) -> dict[str, Any]:
 
 
 # -- load -----------------------------------------------------------------------------------------
-def _verify(directory: Path, manifest: Mapping[str, Any], names: Sequence[str]) -> None:
-    """Check the files this rank reads against the manifest (not the whole checkpoint on every rank)."""
-    for name in names:
-        entry = manifest["files"].get(name)
-        if entry is None:
-            raise ConfigError(f"checkpoint file {directory / name} is not listed in {directory / cio.MANIFEST}")
-        cio.verify_file(directory / name, entry, directory / cio.MANIFEST)
-
-
 def _read_index(directory: Path) -> dict[str, Any]:
     index = cio.read_json(directory / INDEX)
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or not isinstance(index.get("tensors"), dict):
@@ -298,11 +265,8 @@ def _read_index(directory: Path) -> dict[str, Any]:
 
 def world_size_error(directory: Path, written_by: int) -> str:
     """How to go on when a sharded checkpoint meets another number of processes."""
-    if str(cio.read_manifest(directory, verify=False).get(SHARDED, "")).startswith("deepspeed"):
-        return (
-            f"DeepSpeed checkpoint {directory} was written by {written_by} processes but this run has "
-            f"{world_size()}: resume it with {written_by} processes (each rank reads back its own ZeRO partitions)"
-        )
+    if is_zero_layout(cio.read_manifest(directory, verify=False).get(SHARDED, "")):
+        return zero_world_size_error(directory, written_by)
     return (
         f"sharded checkpoint {directory} was written by {written_by} processes but this run has {world_size()}: "
         f"resume it with {written_by} processes (each rank reads back its own slices, RNG states and data "
@@ -327,7 +291,7 @@ def _read_sharded_manifest(directory: Path, model: torch.nn.Module) -> dict[str,
     manifest = cio.read_manifest(directory, verify=False)
     if manifest.get("world_size") != world_size():
         raise ConfigError(world_size_error(directory, int(manifest.get("world_size", 1))))
-    by_deepspeed = str(manifest.get(SHARDED)).startswith("deepspeed")
+    by_deepspeed = is_zero_layout(manifest.get(SHARDED))
     if by_deepspeed != (deepspeed_engine_of(model) is not None):
         raise ConfigError(
             f"checkpoint {directory} was written by a {manifest.get(SHARDED)} run; this run "
@@ -343,12 +307,12 @@ def load_model_shards(model: torch.nn.Module, directory: str | Path, *, verify: 
     """
     directory = Path(directory)
     manifest = _read_sharded_manifest(directory, model)
-    if str(manifest[SHARDED]).startswith("deepspeed"):
-        _load_zero(model, directory, manifest, verify=verify, optimizer=False)
+    if is_zero_layout(manifest[SHARDED]):
+        load_zero(model, directory, manifest, manifest[SHARDED], verify=verify, optimizer=False)
         return
     me = rank()
     if verify:
-        _verify(directory, manifest, [INDEX, model_file(me), model_file(0)])
+        cio.verify_listed(directory, manifest, [INDEX, model_file(me), model_file(0)])
     tensors = _read_index(directory)["tensors"]
     _reshard(model)
     targets = model.state_dict()
@@ -378,14 +342,14 @@ def load_shards(engine: Engine, directory: str | Path, *, verify: bool = True) -
 
     directory = Path(directory)
     manifest = _read_sharded_manifest(directory, engine.model)
-    if str(manifest[SHARDED]).startswith("deepspeed"):
-        _load_zero(engine.model, directory, manifest, verify=verify, optimizer=True)
+    if is_zero_layout(manifest[SHARDED]):
+        load_zero(engine.model, directory, manifest, manifest[SHARDED], verify=verify, optimizer=True)
         return
     load_model_shards(engine.model, directory, verify=verify)
     me = rank()
     if verify:
         manifest = cio.read_manifest(directory, verify=False)
-        _verify(directory, manifest, rank_files(me)[1:])
+        cio.verify_listed(directory, manifest, rank_files(me)[1:])
     assert engine.optimizer is not None
     bundle = cio.read_bundle(directory, optimizer_stem(me))
     state_dict = bundle["state_dict"]
@@ -400,30 +364,6 @@ def load_shards(engine: Engine, directory: str | Path, *, verify: bool = True) -
         engine.optimizer.load_state_dict(state_dict)
     except (ValueError, KeyError, RuntimeError, IndexError) as exc:
         raise ConfigError(f"{directory / (optimizer_stem(me) + '.json')} does not fit engine.optimizer: {exc}") from exc
-
-
-def _load_zero(
-    model: torch.nn.Module, directory: Path, manifest: Mapping[str, Any], *, verify: bool, optimizer: bool
-) -> None:
-    """A DeepSpeed run's weights (and with ``optimizer`` its ZeRO state) from this rank's files."""
-    ds_engine = deepspeed_engine_of(model)
-    stage = int(ds_engine.zero_optimization_stage())
-    if manifest[SHARDED] != f"deepspeed-zero{stage}":
-        raise ConfigError(f"checkpoint {directory} was written under {manifest[SHARDED]}, this run uses ZeRO-{stage}")
-    me = rank()
-    if verify:
-        _verify(directory, manifest, [model_file(0), f"{zero_stem(me)}.json", f"{zero_stem(me)}.safetensors"])
-    weights = directory / model_file(0)
-    saved = cio.read_tensors(weights)
-    if stage < 3:
-        cio.load_weights(model, saved, str(weights))  # into the module's (flattened) parameters
-    else:
-        buffers = dict(model.named_buffers())
-        with torch.no_grad():
-            for name, tensor in saved.items():
-                buffers[name].copy_(tensor)
-    if optimizer or stage == 3:  # ZeRO-3 restores its weights from the fp32 partitions
-        load_zero_state(ds_engine, cio.read_bundle(directory, zero_stem(me)))
 
 
 # -- one model from the shards --------------------------------------------------------------------
@@ -467,7 +407,7 @@ def save_full_model(model: torch.nn.Module, output_dir: str | Path, *, write: bo
     ds_engine = deepspeed_engine_of(model)
     full: dict[str, torch.Tensor]
     if ds_engine is not None:
-        full = _zero_full_state(model, ds_engine)
+        full = zero_full_state(model, ds_engine)
     else:
         _reshard(model)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # type: ignore[assignment]
@@ -475,20 +415,3 @@ def save_full_model(model: torch.nn.Module, output_dir: str | Path, *, write: bo
         return
     kind = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 made a subclass of it
     cio.save_model(model, output_dir, state_dict=full, model_class=kind)
-
-
-def _zero_full_state(model: torch.nn.Module, ds_engine: Any) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0's CPU: ZeRO-1/2 hold it already; ZeRO-3 gathers one parameter at a time."""
-    if int(ds_engine.zero_optimization_stage()) < 3:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()} if rank() == 0 else {}
-    import deepspeed
-
-    full: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        with deepspeed.zero.GatheredParameters([param]):
-            if rank() == 0:
-                full[name] = param.detach().cpu().clone()
-    if rank() == 0:
-        params = set(full)
-        full |= {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in params}
-    return full
