@@ -2,13 +2,12 @@
 
 ``python tests/dist_jobs.py JOB OUT`` runs JOB in one process with per-device batch 8;
 ``torchrun --standalone --nproc_per_node 2 tests/dist_jobs.py JOB OUT`` runs it on two processes with
-per-device batch 4: the same global batch. Every rank writes what it saw to ``OUT/results-rank{r}.json``;
+per-device batch 4: the same global batch. Every rank writes what it saw to ``OUT/JOB-rank{r}.json``;
 the tests compare the files. Models and data are float64 so equality can be asserted to 1e-10.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from dist_helpers import run_job_main
 
 VOCAB, SEQ, TRAIN_SIZE, EVAL_SIZE = 11, 6, 20, 101
 GLOBAL_BATCH = 8
@@ -132,12 +132,13 @@ def trainer_for(
 ) -> Any:
     from trainbus.plugins import Trainer, TrainingArguments
 
-    args = TrainingArguments(**more,
+    options = dict(
         output_dir=str(run_dir), per_device_train_batch_size=per_device_batch(),
         per_device_eval_batch_size=per_device_batch(), num_train_epochs=2, learning_rate=lr, optim=optim,
         gradient_accumulation_steps=steps, logging_steps=1, save_strategy="steps", save_steps=2,
         report_to="none", disable_tqdm=True, use_cpu=True, seed=0, ddp_timeout=120,
     )  # fmt: skip
+    args = TrainingArguments(**{**options, **more})  # ``more`` adds options or overrides these
     return Trainer(
         TokenModel(), args, train_dataset=train_set(), compute_metrics=token_metrics, callbacks=callbacks or []
     )
@@ -281,16 +282,5 @@ def engine(out: Path) -> dict[str, Any]:
 JOBS = {"facade": facade, "crash": crash, "resume": resume, "engine": engine}
 
 
-def main(job: str, out: str) -> None:
-    torch.set_num_threads(1)
-    root = Path(out)
-    result = JOBS[job](root)
-    rank = int(os.environ.get("RANK", "0"))
-    (root / f"{job}-rank{rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # no rank tears the group down while another still talks to it
-        torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_job_main(JOBS, sys.argv[1:])

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import safetensors.torch as st
 import torch
+from dist_helpers import TOL, assert_close, launch_job, results, untimed
 
 from trainbus.engine import ConfigError, Engine
 from trainbus.plugins import Checkpointing, Distributed, TrainingArguments
@@ -25,72 +26,6 @@ from trainbus.plugins.checkpoints.checkpoint import load_checkpoint
 from trainbus.plugins.distributed.sharding import ShardedBatchSampler, shard_eval_loader, shard_train_loader, share
 
 JOBS = Path(__file__).with_name("dist_jobs.py")
-TOL = 1e-10
-TIMED = ("runtime", "per_second")  # log keys that measure time, not training
-
-
-def launch(job: str, out: Path, processes: int, launcher: str = "torchrun", expect_failure: bool = False) -> None:
-    """Run ``dist_jobs.py JOB OUT`` as a user would: plain python, torchrun or accelerate launch."""
-    out.mkdir(parents=True, exist_ok=True)
-    if processes == 1:
-        command = [sys.executable, str(JOBS)]
-    elif launcher == "torchrun":
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={processes}",
-            str(JOBS),
-        ]
-    else:
-        command = [
-            # --multi_gpu is accelerate's torchrun-based launcher; on a machine without GPUs its processes
-            # use gloo on the CPU (--cpu alone starts one process unless MPI is set up)
-            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}",
-            "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={_free_port()}",
-            str(JOBS),
-        ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("WORLD_SIZE", None)
-    done = subprocess.run([*command, job, str(out)], env=env, capture_output=True, text=True, timeout=300)
-    if expect_failure:
-        assert done.returncode != 0, f"{job} was meant to fail:\n{done.stdout[-3000:]}"
-        assert "simulated crash" in done.stdout + done.stderr
-        return
-    assert done.returncode == 0, (
-        f"{job} on {processes} process(es) failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    )
-
-
-def _free_port() -> int:
-    from dist_helpers import free_port
-
-    return free_port()
-
-
-def results(out: Path, job: str, rank: int = 0) -> dict[str, Any]:
-    return json.loads((out / f"{job}-rank{rank}.json").read_text())  # type: ignore[no-any-return]
-
-
-def assert_close(a: Any, b: Any, where: str = "") -> None:
-    """Nested equality with floats within TOL (and NaN equal to NaN)."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and sorted(a) == sorted(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for key in a:
-            assert_close(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), f"{where}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_close(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) or isinstance(b, float):
-        assert math.isclose(a, b, rel_tol=0, abs_tol=TOL) or (math.isnan(a) and math.isnan(b)), f"{where}: {a} != {b}"
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def untimed(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in entry.items() if not any(t in k for t in TIMED)} for entry in log_history]
 
 
 def checkpoint_tensors(run: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -117,8 +52,8 @@ def assert_same_checkpoints(one: Path, two: Path, exact: bool = False) -> None:
 # -- the Trainer under torchrun ------------------------------------------------------------------------
 def test_trainer_on_two_processes_equals_one_process(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
-    launch("facade", one, 1)
-    launch("facade", two, 2)
+    launch_job(JOBS, "facade", one, 1)
+    launch_job(JOBS, "facade", two, 2)
     single, ranks = results(one, "facade"), [results(two, "facade", r) for r in range(2)]
     assert single["world_size"] == 1 and [r["world_size"] for r in ranks] == [2, 2]
     assert [r["flags"] for r in ranks] == [[True, True], [False, False]]
@@ -157,11 +92,11 @@ def test_two_process_resume_in_a_fresh_launch_is_bit_exact(tmp_path: Path) -> No
     from dist_jobs import CRASH_AT_STEP, RESUMED, TRAIN_SIZE
 
     full, broken = tmp_path / "full", tmp_path / "broken"
-    launch("facade", full, 2)  # the uninterrupted runs (RESUMED among them)
-    launch("crash", broken, 2, expect_failure=True)
+    launch_job(JOBS, "facade", full, 2)  # the uninterrupted runs (RESUMED among them)
+    launch_job(JOBS, "crash", broken, 2, expect_failure="simulated crash")
     kept = sorted(p.name for p in (broken / "resumed").glob("checkpoint-*"))
     assert kept == ["checkpoint-2"]  # the newest complete checkpoint before the crash
-    launch("resume", broken, 2)
+    launch_job(JOBS, "resume", broken, 2)
     reference = results(full, "facade")["configs"][RESUMED]
     for rank in range(2):
         resumed = results(broken, "resume", rank)
@@ -179,8 +114,8 @@ def test_two_process_resume_in_a_fresh_launch_is_bit_exact(tmp_path: Path) -> No
 # -- a hand-composed Engine under accelerate launch --------------------------------------------------------
 def test_engine_with_distributed_plugin_equals_one_process(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
-    launch("engine", one, 1)
-    launch("engine", two, 2, launcher="accelerate")
+    launch_job(JOBS, "engine", one, 1)
+    launch_job(JOBS, "engine", two, 2, launcher="accelerate")
     single = results(one, "engine")
     for rank in range(2):
         got = results(two, "engine", rank)
