@@ -330,7 +330,9 @@ class EMA(Plugin):
         ):
             raise ConfigError("EMA state: 'averaged' must map names to tensors")
         self.num_updates = updates
-        if averaged is None:
+        if averaged is None:  # a state from before the first TRAIN_START: the averages start from the weights there
+            self.restore(force=True)
+            self._names, self._sources, self._averaged, self._pending = None, [], [], None
             return
         if self._names is None:
             self._pending = dict(averaged)  # the averages are created on the model's device at TRAIN_START

@@ -36,7 +36,7 @@ from ..data.loading import (
     remove_unused_columns,
     signature_columns,
 )
-from ..distributed.batch_size import train_with_executable_batch_size
+from ..distributed.batch_size import resumed_batch_size, train_with_executable_batch_size
 from ..distributed.fsdp import fsdp_plugin
 from ..distributed.plugin import Distributed
 from ..distributed.processes import barrier
@@ -462,8 +462,12 @@ class Trainer(TrainerUtilities, Engine):
             raise ConfigError("Trainer.train() needs a train_dataset")
         if self.args.auto_find_batch_size:  # halve the batch on out-of-memory and start over (HF)
             self.create_optimizer()  # every attempt starts from its state
+            resume, start = resume_from_checkpoint, self._train_batch_size
+            if resume:  # HF: a resume starts from the batch size the checkpoint trained with
+                path, saved = resumed_batch_size(resume, self.args.output_dir)
+                resume, start = str(path), saved or start
             return train_with_executable_batch_size(
-                self, self._train_batch_size, self._use_train_batch_size, lambda: self._train(resume_from_checkpoint)
+                self, start, self._use_train_batch_size, lambda: self._train(resume)
             )
         return self._train(resume_from_checkpoint)
 
@@ -482,6 +486,7 @@ class Trainer(TrainerUtilities, Engine):
         self.current_flos, self._non_embedding_parameters = 0.0, None
         if resume_from_checkpoint:
             ckpt.resume(self, resume_from_checkpoint, self.args.output_dir)
+            self.state.train_batch_size = self._train_batch_size  # what this run trains with, for its checkpoints
         state = self.fit()
         logger = self.get_plugin(TrainLogger)
         metrics = dict(getattr(logger, "train_metrics", {}))

@@ -73,7 +73,8 @@ class TrainerUtilities:
     def get_total_train_batch_size(self, args: Any = None) -> int:
         """Samples per optimizer step over all processes: per-device batch x accumulation x processes (HF)."""
         args = self.args if args is None else args
-        return int(args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size)
+        per_device = getattr(self, "_train_batch_size", None) or args.per_device_train_batch_size  # after auto halving
+        return int(per_device * args.gradient_accumulation_steps * args.world_size)
 
     def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
         """Parameters that get weight decay: all but biases and normalisation layers (HF's rules)."""

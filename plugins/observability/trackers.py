@@ -162,7 +162,10 @@ class TrackerSink(Plugin):
         return {} if self.run_id is None else {"run_id": self.run_id}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.run_id = state.get("run_id")
+        run_id = state.get("run_id")
+        if self.is_open and run_id != self.run_id:  # another run's state (auto_find_batch_size's restart): a new run
+            self._finish()
+        self.run_id = run_id
 
 
 class WandbSink(TrackerSink):
