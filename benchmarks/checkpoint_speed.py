@@ -33,6 +33,8 @@ median over rounds of each round's ratio to a baseline with the interquartile ra
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import itertools
 import mmap
 import os
@@ -154,8 +156,25 @@ def run_job(widths: tuple[int, ...], rounds: int, directory: Path) -> tuple[dict
     return times, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+_LIBC = ctypes.util.find_library("c")
+
+
+def _trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc), untimed.
+
+    Otherwise the first row of a round to allocate gets pages the rows before it freed, already
+    mapped, and the others page-fault their copies in: per-round ratios then depend on the order
+    of the rows (measured: trainbus load_checkpoint 1.06x 'state copied' when it ran first, 1.50x
+    when last) and their median on which mode the middle round fell in.
+    """
+    trim = getattr(ctypes.CDLL(_LIBC), "malloc_trim", None) if _LIBC else None
+    if trim is not None:
+        trim(0)
+
+
 def _timed(runs: list[tuple[str, Callable[[], Any]]], round_: int, times: dict[str, list[float]]) -> None:
     for row, run in runs if round_ % 2 == 0 else runs[::-1]:
+        _trim_heap()
         start = time.perf_counter()
         run()
         times[row].append(time.perf_counter() - start)

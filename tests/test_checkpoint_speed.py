@@ -3,16 +3,21 @@
 No timing is asserted here (timing lives in benchmarks/checkpoint_speed.py); these tests pin what the
 speed-ups must not change: every file's hash is the hash of its bytes on disk, any change to a file is
 caught and named, manifests of older checkpoints (sha256) still verify and load, and every file and the
-temporary directory are fsynced before the directory is renamed into place.
+temporary directory are fsynced before the directory is renamed into place. A load reads and hashes each
+file once, and applies nothing to the engine before every listed file has been checked.
 """
 
 from __future__ import annotations
 
+import builtins
 import hashlib
+import io
 import json
 import multiprocessing
+import os
 import random
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +77,7 @@ def test_writers_return_the_entry_of_what_they_wrote(tmp_path: Path) -> None:
         "s.txt": cio.write_text(tmp_path / "s.txt", "ünïcode\n"),
         "e.txt": cio.write_text(tmp_path / "e.txt", ""),  # empty: mmap refuses it, the hash must not
     }
+    entries["big.safetensors"] = cio.write_tensors(tmp_path / "big.safetensors", {"a": torch.arange(40_000.0)})
     model = torch.nn.Linear(3, 2)
     entries["w.safetensors"] = cio.save_weights(model, tmp_path / "w.safetensors")
     for name, entry in entries.items():
@@ -298,3 +304,175 @@ def test_a_resumed_run_keeps_no_mapping_of_the_checkpoint_it_loaded(tmp_path: Pa
     assert not (tmp_path / "checkpoint-2").exists()
     maps = Path("/proc/self/maps").read_text()
     assert "checkpoint-2" not in maps  # the optimizer state is a copy: no deleted file held on disk
+
+
+# -- loading: each file read once, nothing applied before every file is checked --------------------
+def _engine_snapshot(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """The model's weights, the optimizer's state tensors and the global step, copied."""
+    assert engine.optimizer is not None
+    weights = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+    _, optimizer = split_tensors(engine.optimizer.state_dict())
+    return weights, {key: tensor.clone() for key, tensor in optimizer.items()}, engine.state.global_step
+
+
+def test_a_load_opens_and_hashes_each_listed_file_once(
+    checkpoint: tuple[Engine, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, directory = checkpoint
+    opened: list[str] = []
+    hashed: list[str] = []
+
+    def counting_open(real: Any) -> Any:
+        def opening(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(path, str | os.PathLike) and Path(path).parent == directory:
+                opened.append(Path(path).name)
+            return real(path, *args, **kwargs)
+
+        return opening
+
+    def counting_hash(name: str) -> Any:
+        real = cio.HASHES[name]
+        return lambda *data: hashed.append(name) or real(*data)
+
+    monkeypatch.setattr(os, "open", counting_open(os.open))
+    monkeypatch.setattr(io, "open", counting_open(io.open))  # Path.read_bytes() and the open() builtin
+    monkeypatch.setattr(builtins, "open", counting_open(builtins.open))
+    monkeypatch.setattr(cio, "HASHES", {name: counting_hash(name) for name in cio.HASHES})
+    load_checkpoint(make_engine(seed=1), directory)
+    assert sorted(opened) == sorted([cio.MANIFEST, *TENSOR_FILES, *JSON_FILES])  # none twice (safetensors' own
+    assert hashed == ["xxh3_128"] * len(TENSOR_FILES + JSON_FILES)  # opens of a file it loads are not seen)
+
+
+@pytest.mark.parametrize("name", TENSOR_FILES + JSON_FILES)
+def test_a_damaged_file_fails_the_load_before_anything_is_applied(checkpoint: tuple[Engine, Path], name: str) -> None:
+    saved, directory = checkpoint
+    fresh = make_engine(seed=1)
+    fresh.fit()  # a state of its own, that a failed load must leave as it is
+    fresh.state.global_step = 7
+    before = _engine_snapshot(fresh)
+    in_checkpoint = _engine_snapshot(saved)
+    assert not any(torch.equal(before[1][key], in_checkpoint[1][key]) for key in before[1] if "exp_avg" in key)
+    _flip_byte(directory / name, 0.99)
+    with pytest.raises(ConfigError, match=rf"{re.escape(name)} does not match its xxh3_128"):
+        load_checkpoint(fresh, directory)
+    after = _engine_snapshot(fresh)
+    for saved, kept in zip(before[:2], after[:2], strict=True):
+        assert saved.keys() == kept.keys() and all(torch.equal(saved[key], kept[key]) for key in saved)
+    assert after[2] == 7
+
+
+def test_a_listed_file_the_load_does_not_read_is_checked_too(checkpoint: tuple[Engine, Path]) -> None:
+    _, directory = checkpoint
+    extra = directory / "notes.json"
+    manifest = manifest_of(directory)
+    manifest["files"]["notes.json"] = cio.write_json(extra, {"note": "kept by a newer writer"})
+    (directory / cio.MANIFEST).write_text(json.dumps(manifest))
+    load_checkpoint(make_engine(seed=1), directory)
+    _flip_byte(extra)
+    with pytest.raises(ConfigError, match=r"notes\.json does not match its xxh3_128"):
+        load_checkpoint(make_engine(seed=1), directory)
+
+
+def test_a_file_the_manifest_does_not_list_is_not_read(checkpoint: tuple[Engine, Path]) -> None:
+    _, directory = checkpoint
+    manifest = manifest_of(directory)
+    del manifest["files"]["plugins.json"]
+    (directory / cio.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"plugins\.json is not listed in .*manifest\.json"):
+        load_checkpoint(make_engine(seed=1), directory)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_in_place_of_a_file_is_refused_without_waiting_for_a_writer(checkpoint: tuple[Engine, Path]) -> None:
+    _, directory = checkpoint
+    (directory / "rng.json").unlink()
+    os.mkfifo(directory / "rng.json")
+    errors: list[str] = []
+
+    def load() -> None:
+        for read in (
+            lambda: load_checkpoint(make_engine(seed=1), directory),
+            lambda: cio.read_json(directory / "rng.json"),
+        ):
+            try:
+                read()
+            except ConfigError as exc:
+                errors.append(str(exc))
+
+    loader = threading.Thread(target=load, daemon=True)  # a blocked open() would hang here, not the suite
+    loader.start()
+    loader.join(timeout=30)
+    assert not loader.is_alive(), "opening a FIFO in place of a checkpoint file waited for a writer"
+    assert len(errors) == 2
+    assert re.search(r"rng\.json listed in .* is missing", errors[0]) and re.search(r"rng\.json is missing", errors[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc to list file mappings")
+def test_a_loaded_optimizer_state_owns_its_memory_tensor_by_tensor(checkpoint: tuple[Engine, Path]) -> None:
+    saved, directory = checkpoint
+    fresh = make_engine(seed=1)
+    load_checkpoint(fresh, directory)
+    assert str(directory) not in Path("/proc/self/maps").read_text()  # nothing of the file stays mapped
+    assert fresh.optimizer is not None and saved.optimizer is not None
+    state = [t for s in fresh.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr() for t in state}
+    assert len(storages) == len(state)  # one storage each: a later save writes them without copying
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in state)
+    for param_state, saved_state in zip(fresh.optimizer.state.values(), saved.optimizer.state.values(), strict=True):
+        for key, value in saved_state.items():
+            assert torch.equal(param_state[key], value), key
+
+
+@pytest.mark.parametrize("path", ["pread", "mapped and cloned", "mapped and cloned (safetensors < 0.8)"])
+def test_owned_tensors_are_copies_whichever_way_they_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    if path == "pread" and not cio._PREAD:
+        pytest.skip("this safetensors has no pread backend")
+    if path != "pread":
+        monkeypatch.setattr(cio, "_PREAD_MAX", -1)
+    if path.endswith("< 0.8)"):
+        monkeypatch.setattr(cio, "_PREAD", False)
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16), "e": torch.empty(0)}
+    cio.write_tensors(tmp_path / "t.safetensors", tensors)
+    loaded = cio.read_tensors(tmp_path / "t.safetensors", owned=True)
+    assert all(torch.equal(loaded[key], tensors[key]) and loaded[key].dtype == tensors[key].dtype for key in tensors)
+    loaded["a"].add_(1)  # writable, and written to memory of its own
+    assert torch.equal(cio.read_tensors(tmp_path / "t.safetensors")["a"], tensors["a"])
+    if Path("/proc/self/maps").exists():
+        assert str(tmp_path) not in Path("/proc/self/maps").read_text()
+
+
+def test_a_bundle_whose_json_refers_to_no_tensor_is_checked_but_not_loaded(
+    checkpoint: tuple[Engine, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, directory = checkpoint
+    loaded: list[str] = []
+    real = cio.read_tensors
+
+    def recording(path: Path, **kwargs: Any) -> dict[str, torch.Tensor]:
+        loaded.append(path.name)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(cio, "read_tensors", recording)
+    load_checkpoint(make_engine(seed=1), directory)
+    assert sorted(loaded) == ["model.safetensors", "optimizer.safetensors", "rng.safetensors"]  # plugins: none
+
+
+def test_files_returned_in_pieces_by_read_are_read_whole(
+    checkpoint: tuple[Engine, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved, directory = checkpoint
+    expected = cio.read_bundle(directory, "rng")
+    real_read, asked = os.read, []
+
+    def short_read(fd: int, size: int) -> bytes:
+        asked.append(size)
+        return real_read(fd, min(size, 100))
+
+    monkeypatch.setattr(os, "read", short_read)
+    fresh = make_engine(seed=1)
+    rng = load_checkpoint(fresh, directory)
+    assert max(asked) > 100  # some file came in pieces
+    assert fresh.state.global_step == saved.state.global_step
+    assert rng["python"] == expected["python"] and torch.equal(rng["torch"], expected["torch"])

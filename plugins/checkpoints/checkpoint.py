@@ -21,6 +21,7 @@ and a resume takes the checkpoint rank 0 chose, refusing one written by another 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -72,6 +73,7 @@ __all__ = [
     "load_checkpoint",
     "load_model_weights",
     "resume",
+    "resumed_batch_size",
     "rotate_checkpoints",
     "save_checkpoint",
     "save_model",
@@ -296,8 +298,9 @@ def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) ->
     """Verify a checkpoint and restore model, optimizer, state and plugins into ``engine``.
 
     Returns the RNG states (not applied: ``resume`` applies them where the interrupted run was).
-    Reads only JSON and safetensors files listed in the verified manifest (``verify=False``: the
-    caller has just verified them).
+    Reads only JSON and safetensors files listed in the manifest, each checked against it as it is
+    read (``verify=False``: the caller has just verified them), and applies nothing before every
+    listed file has been checked.
     """
     directory = Path(path)
     manifest = cio.read_manifest(directory, verify=False)
@@ -308,8 +311,6 @@ def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) ->
             "or train with save_only_model=False to get resumable checkpoints"
         )
     sharded = SHARDED in manifest  # FSDP: every rank checks and reads only its own slices (sharded.py)
-    if verify and not sharded:
-        cio.read_manifest(directory, verify=True)
     written_by = manifest.get("world_size", 1)
     if written_by != world_size():
         raise ConfigError(
@@ -320,30 +321,43 @@ def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) ->
         )
     if engine.optimizer is None:
         raise ConfigError("resuming needs engine.optimizer: pass it to the Engine or attach the optimizer plugin first")
+    files = cio.CheckedFiles(directory, manifest, verify=verify and not sharded)
+    state = _trainer_state(files)  # the small files first: a damaged one fails before the large are read
+    plugins = files.bundle("plugins")
+    stem = rng_file_stems(written_by)[rank()]
+    rng = files.bundle(stem)
+    if not isinstance(rng, dict) or "python" not in rng or "torch" not in rng:
+        raise ConfigError(f"checkpoint file {directory / (stem + '.json')} lacks the python/torch RNG states")
+    if not sharded:
+        weights = files.tensors("model.safetensors")
+        optimizer_state = files.bundle("optimizer")
+    files.finish()  # every other rank's RNG states too: the checkpoint is whole, or nothing is applied
     if sharded:
         load_shards(engine, directory, verify=verify)
     else:
-        weights = directory / "model.safetensors"
+        where = str(directory / "model.safetensors")
         frozen = check_base(engine.model, manifest.get("frozen_base"), str(directory))
-        cio.load_weights(engine.model, cio.read_tensors(weights), str(weights), may_lack=frozen)
-        optimizer_state = cio.read_bundle(directory, "optimizer")
+        cio.load_weights(engine.model, weights, where, may_lack=frozen)
+        del weights  # views of the mapped file: unmapped now
         try:
             engine.optimizer.load_state_dict(optimizer_state)
         except (ValueError, KeyError, RuntimeError) as exc:
             raise ConfigError(f"{directory / 'optimizer.json'} does not fit engine.optimizer: {exc}") from exc
-    state_path = directory / "trainer_state.json"
-    try:
-        state = State.load_from_json(state_path)
-    except (OSError, TypeError) as exc:
-        raise ConfigError(f"checkpoint file {state_path} is not a valid trainer state: {exc}") from exc
-    except ConfigError as exc:
-        raise ConfigError(f"checkpoint file {state_path}: {exc}") from exc
-    engine.load_state_dict({"state": state.to_dict(), "plugins": cio.read_bundle(directory, "plugins")})
-    stem = rng_file_stems(written_by)[rank()]
-    rng = cio.read_bundle(directory, stem)
-    if not isinstance(rng, dict) or "python" not in rng or "torch" not in rng:
-        raise ConfigError(f"checkpoint file {directory / (stem + '.json')} lacks the python/torch RNG states")
+    # the fields as they are: State.to_dict() deep-copies them (the log history grows with the run)
+    fields = {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
+    engine.load_state_dict({"state": fields, "plugins": plugins})
     return rng
+
+
+def _trainer_state(files: cio.CheckedFiles) -> State:
+    path = files.directory / "trainer_state.json"
+    data = files.read_bytes(path.name)  # a missing or damaged file: its ConfigError names it
+    try:
+        return State.from_json(data.decode("utf-8"))
+    except (UnicodeDecodeError, TypeError) as exc:
+        raise ConfigError(f"checkpoint file {path} is not a valid trainer state: {exc}") from exc
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint file {path}: {exc}") from exc
 
 
 def resume(engine: Engine, checkpoint: str | Path | bool, output_dir: str | Path | None = None) -> Path:
@@ -367,6 +381,28 @@ def resume(engine: Engine, checkpoint: str | Path | bool, output_dir: str | Path
     _RestoreRng(engine, rng)
     logger.info("resumed from %s at global step %d", path, engine.state.global_step)
     return path
+
+
+def resumed_batch_size(checkpoint: str | Path | bool, output_dir: str | None) -> tuple[Path, int | None]:
+    """The checkpoint that ``resume_from_checkpoint`` names and the per-device train batch size it trained with.
+
+    True means the newest intact checkpoint in ``output_dir``, chosen on the main process as a resume
+    chooses it. The size is the checkpoint's ``state.train_batch_size`` (None when it records none),
+    which transformers' ``train()`` starts from under ``auto_find_batch_size``.
+    """
+    path = chosen_by_main(lambda: resolve_checkpoint(checkpoint, output_dir, verify=True))
+    state_path = path / "trainer_state.json"
+    # checked against the manifest before it decides anything (the resume checks the rest)
+    cio.verify_listed(path, cio.read_manifest(path, verify=False), [state_path.name])
+    try:
+        size = State.load_from_json(state_path).train_batch_size
+    except (OSError, TypeError, ConfigError) as exc:
+        raise ConfigError(f"checkpoint file {state_path} is not a valid trainer state: {exc}") from exc
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ConfigError(
+            f"checkpoint file {state_path}: train_batch_size must be an integer >= 1 or null, got {size!r}"
+        )
+    return path, size
 
 
 def chosen_by_main(choose: Any) -> Path:

@@ -22,7 +22,7 @@ try:  # numpy is optional for the codec; torch works without it
 except ImportError:  # pragma: no cover - numpy ships with every supported torch
     np = None  # type: ignore[assignment]
 
-__all__ = ["join_tensors", "split_tensors"]
+__all__ = ["TENSOR_KEY", "join_tensors", "split_tensors"]
 
 _TENSOR, _TUPLE, _DICT, _FLOAT, _NDARRAY, _DTYPE = (
     "__tensor__",
@@ -33,6 +33,8 @@ _TENSOR, _TUPLE, _DICT, _FLOAT, _NDARRAY, _DTYPE = (
     "__dtype__",
 )
 _MARKERS = frozenset({_TENSOR, _TUPLE, _DICT, _FLOAT, _NDARRAY, _DTYPE})
+#: in the JSON text of every structure that refers to a tensor (json.dumps escapes none of its characters)
+TENSOR_KEY = f'"{_TENSOR}"'.encode()
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _ALLOWED = "tensors, numbers, strings, None, lists, tuples, dicts, numpy arrays and torch dtypes"
 #: values that are JSON as they are: a sequence of only these is copied whole, not walked item by item
@@ -75,7 +77,7 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         return {_DICT: [[_encode(k, f"{path}/#{i}", tensors), _encode(v, f"{path}/{k}", tensors)]
                         for i, (k, v) in enumerate(value.items())]}  # fmt: skip
     if isinstance(value, list | tuple):
-        if all(type(v) in _PLAIN for v in value):
+        if _PLAIN.issuperset(map(type, value)):  # checked in C, not item by item in Python
             items = list(value)
         else:
             items = [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
@@ -125,10 +127,10 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
             data = _decode_items(inner["data"], tensors, where)
             array = np.array(data, dtype=np.dtype(inner["dtype"])).reshape(inner["shape"])
             return array[()] if array.ndim == 0 else array
-    return {k: _decode(v, tensors, where) for k, v in value.items()}
+    return {k: _decode(v, tensors, where) if type(v) in _NESTED else v for k, v in value.items()}
 
 
 def _decode_items(values: list[Any], tensors: Mapping[str, torch.Tensor], where: str) -> list[Any]:
-    if all(type(v) not in _NESTED for v in values):
-        return list(values)  # nothing to decode inside: copied in C
+    if _NESTED.isdisjoint(map(type, values)):
+        return list(values)  # nothing to decode inside: checked and copied in C
     return [_decode(v, tensors, where) for v in values]

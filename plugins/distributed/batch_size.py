@@ -23,16 +23,12 @@ import logging
 import math
 import random
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from trainbus.engine import ConfigError, Event, State
-
-from ..checkpoints import io as cio
-from ..checkpoints.checkpoint import chosen_by_main, resolve_checkpoint
+from trainbus.engine import Event
 
 logger = logging.getLogger("trainbus.batch_size")
 
@@ -124,28 +120,6 @@ def halve(batch_size: int) -> int:
     return batch_size // 2
 
 
-def resumed_batch_size(checkpoint: str | Path | bool, output_dir: str | None) -> tuple[Path, int | None]:
-    """The checkpoint that ``resume_from_checkpoint`` names and the per-device train batch size it trained with.
-
-    True means the newest intact checkpoint in ``output_dir``, chosen on the main process as a resume
-    chooses it. The size is the checkpoint's ``state.train_batch_size`` (None when it records none),
-    which transformers' ``train()`` starts from under ``auto_find_batch_size``.
-    """
-    path = chosen_by_main(lambda: resolve_checkpoint(checkpoint, output_dir, verify=True))
-    state_path = path / "trainer_state.json"
-    # checked against the manifest before it decides anything (the resume checks the rest)
-    cio.verify_listed(path, cio.read_manifest(path, verify=False), [state_path.name])
-    try:
-        size = State.load_from_json(state_path).train_batch_size
-    except (OSError, TypeError, ConfigError) as exc:
-        raise ConfigError(f"checkpoint file {state_path} is not a valid trainer state: {exc}") from exc
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise ConfigError(
-            f"checkpoint file {state_path}: train_batch_size must be an integer >= 1 or null, got {size!r}"
-        )
-    return path, size
-
-
 def train_with_executable_batch_size(
     engine: Any, starting_batch_size: int, use_batch_size: Callable[[int], None], train: Callable[[], T]
 ) -> T:
@@ -220,4 +194,4 @@ def train_with_executable_batch_size(
             handle.remove()
 
 
-__all__ = ["EVAL_OOM", "halve", "resumed_batch_size", "same_state", "train_with_executable_batch_size"]
+__all__ = ["EVAL_OOM", "halve", "same_state", "train_with_executable_batch_size"]

@@ -36,7 +36,7 @@ from ..data.loading import (
     remove_unused_columns,
     signature_columns,
 )
-from ..distributed.batch_size import resumed_batch_size, train_with_executable_batch_size
+from ..distributed.batch_size import train_with_executable_batch_size
 from ..distributed.fsdp import fsdp_plugin
 from ..distributed.plugin import Distributed
 from ..distributed.processes import barrier
@@ -464,7 +464,7 @@ class Trainer(TrainerUtilities, Engine):
             self.create_optimizer()  # every attempt starts from its state
             resume, start = resume_from_checkpoint, self._train_batch_size
             if resume:  # HF: a resume starts from the batch size the checkpoint trained with
-                path, saved = resumed_batch_size(resume, self.args.output_dir)
+                path, saved = ckpt.resumed_batch_size(resume, self.args.output_dir)
                 resume, start = str(path), saved or start
             return train_with_executable_batch_size(
                 self, start, self._use_train_batch_size, lambda: self._train(resume)
