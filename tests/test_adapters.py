@@ -140,7 +140,7 @@ def _lora_trainer(out: Path, **more: Any) -> Trainer:
 
 
 def test_lora_checkpoints_hold_only_what_trains_and_resume_bit_exact(tmp_path: Path) -> None:
-    from trainbus.plugins.checkpoints.io import read_manifest
+    from trainbus.plugins.checkpoints.verified import read_manifest
 
     full = _lora_trainer(tmp_path / "full")
     full.train()

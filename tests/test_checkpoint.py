@@ -20,6 +20,7 @@ from hypothesis import strategies as hs
 from trainbus.engine import ConfigError, Engine, Event, HandlerError, Plugin, Priority, State
 from trainbus.engine.events import EvalEndEvent, SaveEvent, StepEndEvent
 from trainbus.plugins.checkpoints import io as cio
+from trainbus.plugins.checkpoints import verified
 from trainbus.plugins.checkpoints.checkpoint import (
     Checkpointing,
     LoadBestModelAtEnd,
@@ -280,7 +281,7 @@ def test_failed_save_leaves_the_last_checkpoint_intact(
     if failed:
         assert leftovers == ["checkpoint-1"], "a failed save must leave only the previous checkpoint"
         assert engine.state.best_model_checkpoint == str(tmp_path / "checkpoint-1")
-        cio.read_manifest(tmp_path / "checkpoint-1", verify=True)
+        verified.read_manifest(tmp_path / "checkpoint-1", verify=True)
         fresh = make_engine(tmp_path / "other", max_steps=3)
         assert resume(fresh, True, tmp_path) == tmp_path / "checkpoint-1"
         fresh.fit()
@@ -314,7 +315,7 @@ def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch
     with pytest.raises(OSError, match="I/O error"):
         save_checkpoint(engine, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
-    cio.read_manifest(tmp_path / "checkpoint-2", verify=True)
+    verified.read_manifest(tmp_path / "checkpoint-2", verify=True)
 
 
 def test_stale_temporaries_of_dead_processes_are_ignored_and_removed(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ import xxhash
 import trainbus.plugins.checkpoints.checkpoint as ck
 from trainbus.engine import ConfigError, Engine
 from trainbus.plugins.checkpoints import io as cio
+from trainbus.plugins.checkpoints import verified
 from trainbus.plugins.checkpoints.checkpoint import load_checkpoint, resume, save_checkpoint
 from trainbus.plugins.checkpoints.codec import join_tensors, split_tensors
 from trainbus.plugins.checkpoints.frozen import base_fingerprint
@@ -120,9 +121,9 @@ def test_one_flipped_bit_anywhere_fails_verification_naming_the_file(
     for at in (0.0, 0.5, 0.999):
         _flip_byte(directory / name, at)
         with pytest.raises(ConfigError, match=rf"{re.escape(name)} does not match its xxh3_128 in .*manifest"):
-            cio.read_manifest(directory, verify=True)
+            verified.read_manifest(directory, verify=True)
         _flip_byte(directory / name, at)  # back
-        cio.read_manifest(directory, verify=True)
+        verified.read_manifest(directory, verify=True)
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "rng.json"])
@@ -145,12 +146,12 @@ def test_an_entry_without_a_known_hash_or_a_newer_version_is_refused(checkpoint:
     manifest["files"]["rng.json"] = {"size": original["size"], "md5": "0" * 32}
     (directory / cio.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"lists rng\.json without a size and a hash of \['sha256', 'xxh3_128'\]"):
-        cio.read_manifest(directory)
+        verified.read_manifest(directory)
     manifest["files"]["rng.json"] = original
     manifest["version"] = 3
     (directory / cio.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"format version 3; this trainbus reads \[1, 2\]"):
-        cio.read_manifest(directory)
+        verified.read_manifest(directory)
 
 
 def _as_version_1(directory: Path) -> None:

@@ -46,6 +46,7 @@ from trainbus.engine.events import (
 
 from ..distributed.processes import barrier, broadcast_from_main, gather_to_main, rank, world_size
 from . import io as cio
+from . import verified
 from .frozen import base_fingerprint, check_base, trainable_state_dict
 from .io import load_model_weights, save_model
 from .sharded import (
@@ -89,7 +90,7 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     found = []
     for child in root.iterdir():
         match = _NAME.match(child.name)
-        if match and child.is_dir() and cio.is_complete(child):
+        if match and child.is_dir() and verified.is_complete(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
 
@@ -278,7 +279,7 @@ def _newest_intact(output_dir: str | Path) -> Path | None:
     found = list_checkpoints(output_dir)
     for _, path in reversed(found):
         try:
-            cio.read_manifest(path, verify=True)
+            verified.read_manifest(path, verify=True)
         except ConfigError as exc:
             warnings.warn(
                 f"resume_from_checkpoint=True: skipping the damaged checkpoint {path} ({exc}); "
@@ -303,7 +304,7 @@ def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) ->
     listed file has been checked.
     """
     directory = Path(path)
-    manifest = cio.read_manifest(directory, verify=False)
+    manifest = verified.read_manifest(directory, verify=False)
     if manifest.get("model_only"):
         raise ConfigError(
             f"checkpoint {directory} was saved with save_only_model=True: it holds the model but no optimizer, "
@@ -321,7 +322,7 @@ def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) ->
         )
     if engine.optimizer is None:
         raise ConfigError("resuming needs engine.optimizer: pass it to the Engine or attach the optimizer plugin first")
-    files = cio.CheckedFiles(directory, manifest, verify=verify and not sharded)
+    files = verified.CheckedFiles(directory, manifest, verify=verify and not sharded)
     state = _trainer_state(files)  # the small files first: a damaged one fails before the large are read
     plugins = files.bundle("plugins")
     stem = rng_file_stems(written_by)[rank()]
@@ -349,7 +350,7 @@ def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) ->
     return rng
 
 
-def _trainer_state(files: cio.CheckedFiles) -> State:
+def _trainer_state(files: verified.CheckedFiles) -> State:
     path = files.directory / "trainer_state.json"
     data = files.read_bytes(path.name)  # a missing or damaged file: its ConfigError names it
     try:
@@ -393,7 +394,7 @@ def resumed_batch_size(checkpoint: str | Path | bool, output_dir: str | None) ->
     path = chosen_by_main(lambda: resolve_checkpoint(checkpoint, output_dir, verify=True))
     state_path = path / "trainer_state.json"
     # checked against the manifest before it decides anything (the resume checks the rest)
-    cio.verify_listed(path, cio.read_manifest(path, verify=False), [state_path.name])
+    verified.verify_listed(path, verified.read_manifest(path, verify=False), [state_path.name])
     try:
         size = State.load_from_json(state_path).train_batch_size
     except (OSError, TypeError, ConfigError) as exc:
@@ -611,11 +612,11 @@ class LoadBestModelAtEnd(Plugin):
             logger.warning("load_best_model_at_end: no best checkpoint was recorded; keeping the last weights")
             return
         directory = Path(best)
-        if SHARDED in cio.read_manifest(directory, verify=False):  # FSDP: every rank loads its own slices
+        if SHARDED in verified.read_manifest(directory, verify=False):  # FSDP: every rank loads its own slices
             load_model_shards(engine.model, directory)
             logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)
             return
-        manifest = cio.read_manifest(directory, verify=True)
+        manifest = verified.read_manifest(directory, verify=True)
         weights = directory / "model.safetensors"
         frozen = check_base(engine.model, manifest.get("frozen_base"), str(directory))
         cio.load_weights(engine.model, cio.read_tensors(weights), str(weights), may_lack=frozen)

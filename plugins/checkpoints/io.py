@@ -7,8 +7,9 @@ code from a file (K7). Every file of a checkpoint is listed with its size and ha
 
 Speed (``benchmarks/checkpoint_speed.py``): a file is hashed once, as it is written (JSON from the
 bytes in hand, safetensors from the page cache through a memory map, no copy), with xxh3_128
-(tens of GB/s; sha256 runs at 1.5), and once as a load reads it (``CheckedFiles``: JSON from the
-bytes it parses, safetensors in place just before loading it). The hash guards against torn,
+(tens of GB/s; sha256 runs at 1.5), and once as a load reads it (``verified.py``, which reads
+the manifest and checks every file against it: JSON from the bytes it parses, safetensors in place
+just before loading it). The hash guards against torn,
 truncated and bit-flipped files, not against tampering: whoever can rewrite a file can rewrite the
 unsigned manifest too. Writers do not fsync one by one: ``sync_files`` fsyncs every file and the
 directory at once, just before the directory is renamed into place, so the file system writes them
@@ -117,20 +118,20 @@ def digest_file(path: Path, algorithm: str = HASH) -> str:
     """The hex digest of a file, hashed in place through a read-only memory map (no copy into Python)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return _digest_fd(fd, os.fstat(fd).st_size, algorithm)
+        return digest_fd(fd, os.fstat(fd).st_size, algorithm)
     finally:
         os.close(fd)
 
 
-def _digest_fd(fd: int, size: int, algorithm: str) -> str:
+def digest_fd(fd: int, size: int, algorithm: str) -> str:
     """A small file is read, not mapped: mapping and unmapping it cost more than copying it (5-64 KB: 1.7-2x)."""
     if size <= _READ_MAX:  # mmap also refuses an empty file
-        return HASHES[algorithm](_read_fd(fd, size)).hexdigest()
+        return HASHES[algorithm](read_fd(fd, size)).hexdigest()
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:
         return HASHES[algorithm](view).hexdigest()
 
 
-def _read_fd(fd: int, size: int) -> bytes:
+def read_fd(fd: int, size: int) -> bytes:
     """``size`` bytes from ``fd``, fewer if the file ends first (one read(2) below 2 GB)."""
     parts: list[bytes] = []
     while size > 0 and (part := os.read(fd, size)):
@@ -215,14 +216,53 @@ def _for_safetensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def read_json(path: Path) -> Any:
     """Parse a JSON file; a missing or corrupt file raises ConfigError naming it."""
-    return _parse_json(_read_file(path), path)
+    return parse_json(read_file(path), path)
 
 
-def _parse_json(data: bytes, path: Path) -> Any:
+def parse_json(data: bytes, path: Path) -> Any:
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"checkpoint file {path} is not valid JSON: {exc}") from exc
+
+
+# A load opens each file once, with os.open: open() adds an ioctl, two lseeks and an fstat to every
+# file it reads (9 system calls for a small file instead of 4; a load of the crash-test MLP's
+# checkpoint made 140 system calls, 95 now), each a few microseconds, tens after a large copy.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO opens without waiting for a writer, and is refused
+
+
+def open_regular(file: Path) -> tuple[int, int] | None:
+    """A read-only descriptor and the size of a regular file; None when there is none (missing, a
+    directory, a FIFO). The caller closes the descriptor."""
+    try:
+        fd = os.open(file, os.O_RDONLY | _NONBLOCK)
+    except FileNotFoundError:
+        return None
+    try:
+        info = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        return None
+    return fd, info.st_size
+
+
+def read_file(file: Path) -> bytes:
+    """A regular file's bytes; ConfigError naming it when it is missing or unreadable."""
+    try:
+        opened = open_regular(file)
+        if opened is None:
+            raise ConfigError(f"checkpoint file {file} is missing")
+        fd, size = opened
+        try:
+            return read_fd(fd, size)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ConfigError(f"checkpoint file {file} cannot be read: {exc}") from exc
 
 
 #: safetensors >= 0.8 can read a file with pread(2), into memory of each tensor's own, mapping nothing
@@ -262,12 +302,12 @@ def write_bundle(directory: Path, stem: str, value: Any) -> dict[str, dict[str, 
 
 
 def read_bundle(directory: Path, stem: str) -> Any:
-    """Read what ``write_bundle`` wrote (``CheckedFiles.bundle`` checks the files against a manifest too)."""
+    """Read what ``write_bundle`` wrote, unchecked (``verified.CheckedFiles.bundle`` checks it against a manifest)."""
     path = directory / f"{stem}.json"
-    return _join_bundle(read_json(path), read_tensors(directory / f"{stem}.safetensors", owned=True), path)
+    return join_bundle(read_json(path), read_tensors(directory / f"{stem}.safetensors", owned=True), path)
 
 
-def _join_bundle(doc: Any, tensors: Mapping[str, torch.Tensor], path: Path) -> Any:
+def join_bundle(doc: Any, tensors: Mapping[str, torch.Tensor], path: Path) -> Any:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or "data" not in doc:
         raise ConfigError(f"checkpoint file {path} is not a {FORMAT} file (no 'format'/'data' keys)")
     return codec.join_tensors(doc["data"], tensors, str(path))
@@ -290,194 +330,6 @@ def write_manifest(
     entries = entries or {}
     listed = {name: dict(entries[name]) if name in entries else file_entry(directory / name) for name in files}
     return write_json(directory / MANIFEST, {"format": FORMAT, "version": VERSION, **info, "files": listed})
-
-
-def read_manifest(directory: Path, *, verify: bool = True) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; with ``verify`` every listed file's size and hash.
-
-    Raises ConfigError naming the file that is missing, truncated or altered.
-    """
-    path = directory / MANIFEST
-    manifest = read_json(path)
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != FORMAT
-        or not isinstance(manifest.get("files"), dict)
-    ):
-        raise ConfigError(f"{path} is not a {FORMAT} manifest")
-    if manifest.get("version") not in READABLE_VERSIONS:
-        raise ConfigError(
-            f"{path} has format version {manifest.get('version')!r}; this trainbus reads {list(READABLE_VERSIONS)}"
-        )
-    if verify:
-        for name, entry in manifest["files"].items():
-            verify_file(directory / name, entry, path)
-    return manifest
-
-
-def verify_listed(directory: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> None:
-    """Check the named files of ``directory`` against its manifest, which must list them.
-
-    A rank of a sharded run checks the files it reads this way, not the whole checkpoint.
-    """
-    for name in names:
-        entry = manifest["files"].get(name)
-        if entry is None:
-            raise ConfigError(f"checkpoint file {directory / name} is not listed in {directory / MANIFEST}")
-        verify_file(directory / name, entry, directory / MANIFEST)
-
-
-def verify_file(file: Path, entry: Any, manifest: Path) -> None:
-    """Check a file against its manifest entry (size, then the hash the entry names), hashing it in place."""
-    algorithm = _hash_named_by(entry, file, manifest)
-    fd, size = _open_listed(file, manifest)
-    try:
-        _check_size(file, size, entry)
-        digest = _digest_fd(fd, size, algorithm)
-    finally:
-        os.close(fd)
-    _check_hash(file, digest, entry, algorithm, manifest)
-
-
-def read_checked(file: Path, entry: Any, manifest: Path) -> bytes:
-    """The bytes of a file, checked against its manifest entry: read once, hashed in hand (a JSON file)."""
-    algorithm = _hash_named_by(entry, file, manifest)
-    fd, size = _open_listed(file, manifest)
-    try:
-        _check_size(file, size, entry)
-        data = _read_fd(fd, size)
-    finally:
-        os.close(fd)
-    _check_size(file, len(data), entry)  # shrunk while read
-    _check_hash(file, HASHES[algorithm](data).hexdigest(), entry, algorithm, manifest)
-    return data
-
-
-# A load opens each file once, with os.open: open() adds an ioctl, two lseeks and an fstat to every
-# file it reads (9 system calls for a small file instead of 4; a load of the crash-test MLP's
-# checkpoint made 140 system calls, 95 now), each a few microseconds, tens after a large copy.
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO opens without waiting for a writer, and is refused
-
-
-def _open_regular(file: Path) -> tuple[int, int] | None:
-    """A read-only descriptor and the size of a regular file; None when there is none (missing, a
-    directory, a FIFO). The caller closes the descriptor."""
-    try:
-        fd = os.open(file, os.O_RDONLY | _NONBLOCK)
-    except FileNotFoundError:
-        return None
-    try:
-        info = os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        return None
-    return fd, info.st_size
-
-
-def _open_listed(file: Path, manifest: Path) -> tuple[int, int]:
-    try:
-        opened = _open_regular(file)
-    except OSError as exc:
-        raise ConfigError(f"checkpoint file {file} listed in {manifest} cannot be read: {exc}") from exc
-    if opened is None:
-        raise ConfigError(f"checkpoint file {file} listed in {manifest} is missing")
-    return opened
-
-
-def _read_file(file: Path) -> bytes:
-    """A regular file's bytes; ConfigError naming it when it is missing or unreadable."""
-    try:
-        opened = _open_regular(file)
-        if opened is None:
-            raise ConfigError(f"checkpoint file {file} is missing")
-        fd, size = opened
-        try:
-            return _read_fd(fd, size)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise ConfigError(f"checkpoint file {file} cannot be read: {exc}") from exc
-
-
-def _hash_named_by(entry: Any, file: Path, manifest: Path) -> str:
-    algorithm = next((name for name in HASHES if isinstance(entry, dict) and name in entry), None)
-    if algorithm is None:
-        raise ConfigError(f"{manifest} lists {file.name} without a size and a hash of {sorted(HASHES)}: {entry!r}")
-    return algorithm
-
-
-def _check_size(file: Path, size: int, entry: Mapping[str, Any]) -> None:
-    if size != entry.get("size"):
-        raise ConfigError(f"checkpoint file {file} has {size} bytes, the manifest says {entry.get('size')}")
-
-
-def _check_hash(file: Path, digest: str, entry: Mapping[str, Any], algorithm: str, manifest: Path) -> None:
-    if digest != entry[algorithm]:
-        raise ConfigError(f"checkpoint file {file} does not match its {algorithm} in {manifest} (corrupt or altered)")
-
-
-class CheckedFiles:
-    """The files of one checkpoint as a load reads them, each checked against the manifest once.
-
-    A JSON file is hashed from the bytes read to parse it, a safetensors file in place just before
-    it is loaded. Read everything, then ``finish`` (the listed files no read touched), and the whole
-    checkpoint is verified before any of it is applied. A file the manifest does not list is
-    refused. With ``verify=False`` (the caller has just verified the checkpoint) files are read
-    unchecked.
-    """
-
-    def __init__(self, directory: Path, manifest: Mapping[str, Any], *, verify: bool = True) -> None:
-        self.directory = directory
-        self.manifest_path = directory / MANIFEST
-        self.files: Mapping[str, Any] = manifest["files"]
-        self.verify = verify
-        self.seen: set[str] = set()
-
-    def _path(self, name: str) -> Path:
-        """The file's path; checks that the manifest lists it and marks it read."""
-        path = self.directory / name
-        if self.verify and name not in self.files:
-            raise ConfigError(f"checkpoint file {path} is not listed in {self.manifest_path}")
-        self.seen.add(name)
-        return path
-
-    def read_bytes(self, name: str) -> bytes:
-        path = self._path(name)
-        return read_checked(path, self.files[name], self.manifest_path) if self.verify else _read_file(path)
-
-    def tensors(self, name: str, *, owned: bool = False, load: bool = True) -> dict[str, torch.Tensor]:
-        """A safetensors file's tensors (``read_tensors``), the file verified first; ``load=False``: only verified."""
-        path = self._path(name)
-        size = None
-        if self.verify:
-            verify_file(path, self.files[name], self.manifest_path)
-            size = self.files[name]["size"]
-        return read_tensors(path, owned=owned, size=size) if load else {}
-
-    def bundle(self, stem: str) -> Any:
-        """What ``write_bundle`` wrote as ``stem``; its tensors are loaded only if its JSON refers to one."""
-        data = self.read_bytes(f"{stem}.json")
-        referred = codec.TENSOR_KEY in data  # the plugins' states often hold none
-        tensors = self.tensors(f"{stem}.safetensors", owned=True, load=referred)
-        path = self.directory / f"{stem}.json"
-        return _join_bundle(_parse_json(data, path), tensors, path)
-
-    def finish(self) -> None:
-        """Check the listed files no read touched (none with ``verify=False``)."""
-        if self.verify:
-            verify_listed(self.directory, {"files": self.files}, sorted(set(self.files) - self.seen))
-
-
-def is_complete(directory: Path) -> bool:
-    """Cheap completeness test (a readable manifest); ``read_manifest`` verifies the contents."""
-    try:
-        read_manifest(directory, verify=False)
-    except ConfigError:
-        return False
-    return True
 
 
 # -- model weights --------------------------------------------------------------------------------

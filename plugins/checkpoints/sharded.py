@@ -42,6 +42,7 @@ from ..distributed.deepspeed import deepspeed_engine_of
 from ..distributed.fsdp import is_sharded
 from ..distributed.processes import broadcast_from_main, gather_to_main, rank, world_size
 from . import io as cio
+from . import verified
 from .zero import is_zero_layout, load_zero, model_file, write_zero_files, zero_full_state, zero_world_size_error
 
 #: the manifest key that marks a checkpoint written in shards (its value: the sharding's name)
@@ -265,7 +266,7 @@ def _read_index(directory: Path) -> dict[str, Any]:
 
 def world_size_error(directory: Path, written_by: int) -> str:
     """How to go on when a sharded checkpoint meets another number of processes."""
-    if is_zero_layout(cio.read_manifest(directory, verify=False).get(SHARDED, "")):
+    if is_zero_layout(verified.read_manifest(directory, verify=False).get(SHARDED, "")):
         return zero_world_size_error(directory, written_by)
     return (
         f"sharded checkpoint {directory} was written by {written_by} processes but this run has {world_size()}: "
@@ -288,7 +289,7 @@ def _opened(path: Path) -> Iterator[Any]:
 
 
 def _read_sharded_manifest(directory: Path, model: torch.nn.Module) -> dict[str, Any]:
-    manifest = cio.read_manifest(directory, verify=False)
+    manifest = verified.read_manifest(directory, verify=False)
     if manifest.get("world_size") != world_size():
         raise ConfigError(world_size_error(directory, int(manifest.get("world_size", 1))))
     by_deepspeed = is_zero_layout(manifest.get(SHARDED))
@@ -312,7 +313,7 @@ def load_model_shards(model: torch.nn.Module, directory: str | Path, *, verify: 
         return
     me = rank()
     if verify:
-        cio.verify_listed(directory, manifest, [INDEX, model_file(me), model_file(0)])
+        verified.verify_listed(directory, manifest, [INDEX, model_file(me), model_file(0)])
     tensors = _read_index(directory)["tensors"]
     _reshard(model)
     targets = model.state_dict()
@@ -348,8 +349,8 @@ def load_shards(engine: Engine, directory: str | Path, *, verify: bool = True) -
     load_model_shards(engine.model, directory, verify=verify)
     me = rank()
     if verify:
-        manifest = cio.read_manifest(directory, verify=False)
-        cio.verify_listed(directory, manifest, rank_files(me)[1:])
+        manifest = verified.read_manifest(directory, verify=False)
+        verified.verify_listed(directory, manifest, rank_files(me)[1:])
     assert engine.optimizer is not None
     bundle = cio.read_bundle(directory, optimizer_stem(me))
     state_dict = bundle["state_dict"]
@@ -373,7 +374,7 @@ def consolidate_checkpoint(directory: str | Path, output_dir: str | Path) -> Pat
     Reads one tensor at a time from each rank's file; the result loads with ``load_model_weights``.
     """
     directory, out = Path(directory), Path(output_dir)
-    layout = cio.read_manifest(directory, verify=True).get(SHARDED)
+    layout = verified.read_manifest(directory, verify=True).get(SHARDED)
     if layout != "fsdp2":
         raise ConfigError(f"{directory} is a {layout} checkpoint, not FSDP slices: save the model with save_model")
     index = _read_index(directory)

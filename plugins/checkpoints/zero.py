@@ -25,6 +25,7 @@ from trainbus.engine import ConfigError
 from ..distributed.deepspeed import deepspeed_engine_of, load_zero_state, zero_state
 from ..distributed.processes import rank, world_size
 from . import io as cio
+from . import verified
 
 __all__ = [
     "is_zero_layout",
@@ -97,7 +98,9 @@ def load_zero(
         raise ConfigError(f"checkpoint {directory} was written under {layout}, this run uses ZeRO-{stage}")
     me = rank()
     if verify:
-        cio.verify_listed(directory, manifest, [model_file(0), f"{zero_stem(me)}.json", f"{zero_stem(me)}.safetensors"])
+        verified.verify_listed(
+            directory, manifest, [model_file(0), f"{zero_stem(me)}.json", f"{zero_stem(me)}.safetensors"]
+        )
     weights = directory / model_file(0)
     saved = cio.read_tensors(weights)
     if stage < 3:

@@ -1,0 +1,170 @@
+"""Reading a checkpoint against its manifest: every listed file's size and hash, checked as it is read.
+
+``io.py`` writes the files and the manifest; this module reads them back verified. ``read_manifest``
+checks a whole checkpoint, ``verify_listed`` the files one rank reads, and ``CheckedFiles`` checks
+each file as a load reads it (a JSON file from the bytes it parses, a safetensors file in place
+just before loading it), so every file is opened and hashed once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainbus.engine import ConfigError
+
+from . import codec
+from . import io as cio
+
+
+def read_manifest(directory: Path, *, verify: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; with ``verify`` every listed file's size and hash.
+
+    Raises ConfigError naming the file that is missing, truncated or altered.
+    """
+    path = directory / cio.MANIFEST
+    manifest = cio.read_json(path)
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != cio.FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
+        raise ConfigError(f"{path} is not a {cio.FORMAT} manifest")
+    if manifest.get("version") not in cio.READABLE_VERSIONS:
+        raise ConfigError(
+            f"{path} has format version {manifest.get('version')!r}; this trainbus reads {list(cio.READABLE_VERSIONS)}"
+        )
+    if verify:
+        for name, entry in manifest["files"].items():
+            verify_file(directory / name, entry, path)
+    return manifest
+
+
+def verify_listed(directory: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> None:
+    """Check the named files of ``directory`` against its manifest, which must list them.
+
+    A rank of a sharded run checks the files it reads this way, not the whole checkpoint.
+    """
+    for name in names:
+        entry = manifest["files"].get(name)
+        if entry is None:
+            raise ConfigError(f"checkpoint file {directory / name} is not listed in {directory / cio.MANIFEST}")
+        verify_file(directory / name, entry, directory / cio.MANIFEST)
+
+
+def verify_file(file: Path, entry: Any, manifest: Path) -> None:
+    """Check a file against its manifest entry (size, then the hash the entry names), hashing it in place."""
+    algorithm = _hash_named_by(entry, file, manifest)
+    fd, size = _open_listed(file, manifest)
+    try:
+        _check_size(file, size, entry)
+        digest = cio.digest_fd(fd, size, algorithm)
+    finally:
+        os.close(fd)
+    _check_hash(file, digest, entry, algorithm, manifest)
+
+
+def read_checked(file: Path, entry: Any, manifest: Path) -> bytes:
+    """The bytes of a file, checked against its manifest entry: read once, hashed in hand (a JSON file)."""
+    algorithm = _hash_named_by(entry, file, manifest)
+    fd, size = _open_listed(file, manifest)
+    try:
+        _check_size(file, size, entry)
+        data = cio.read_fd(fd, size)
+    finally:
+        os.close(fd)
+    _check_size(file, len(data), entry)  # shrunk while read
+    _check_hash(file, cio.HASHES[algorithm](data).hexdigest(), entry, algorithm, manifest)
+    return data
+
+
+def _open_listed(file: Path, manifest: Path) -> tuple[int, int]:
+    try:
+        opened = cio.open_regular(file)
+    except OSError as exc:
+        raise ConfigError(f"checkpoint file {file} listed in {manifest} cannot be read: {exc}") from exc
+    if opened is None:
+        raise ConfigError(f"checkpoint file {file} listed in {manifest} is missing")
+    return opened
+
+
+def _hash_named_by(entry: Any, file: Path, manifest: Path) -> str:
+    algorithm = next((name for name in cio.HASHES if isinstance(entry, dict) and name in entry), None)
+    if algorithm is None:
+        raise ConfigError(f"{manifest} lists {file.name} without a size and a hash of {sorted(cio.HASHES)}: {entry!r}")
+    return algorithm
+
+
+def _check_size(file: Path, size: int, entry: Mapping[str, Any]) -> None:
+    if size != entry.get("size"):
+        raise ConfigError(f"checkpoint file {file} has {size} bytes, the manifest says {entry.get('size')}")
+
+
+def _check_hash(file: Path, digest: str, entry: Mapping[str, Any], algorithm: str, manifest: Path) -> None:
+    if digest != entry[algorithm]:
+        raise ConfigError(f"checkpoint file {file} does not match its {algorithm} in {manifest} (corrupt or altered)")
+
+
+class CheckedFiles:
+    """The files of one checkpoint as a load reads them, each checked against the manifest once.
+
+    A JSON file is hashed from the bytes read to parse it, a safetensors file in place just before
+    it is loaded. Read everything, then ``finish`` (the listed files no read touched), and the whole
+    checkpoint is verified before any of it is applied. A file the manifest does not list is
+    refused. With ``verify=False`` (the caller has just verified the checkpoint) files are read
+    unchecked.
+    """
+
+    def __init__(self, directory: Path, manifest: Mapping[str, Any], *, verify: bool = True) -> None:
+        self.directory = directory
+        self.manifest_path = directory / cio.MANIFEST
+        self.files: Mapping[str, Any] = manifest["files"]
+        self.verify = verify
+        self.seen: set[str] = set()
+
+    def _path(self, name: str) -> Path:
+        """The file's path; checks that the manifest lists it and marks it read."""
+        path = self.directory / name
+        if self.verify and name not in self.files:
+            raise ConfigError(f"checkpoint file {path} is not listed in {self.manifest_path}")
+        self.seen.add(name)
+        return path
+
+    def read_bytes(self, name: str) -> bytes:
+        path = self._path(name)
+        return read_checked(path, self.files[name], self.manifest_path) if self.verify else cio.read_file(path)
+
+    def tensors(self, name: str, *, owned: bool = False, load: bool = True) -> dict[str, torch.Tensor]:
+        """A safetensors file's tensors (``read_tensors``), the file verified first; ``load=False``: only verified."""
+        path = self._path(name)
+        size = None
+        if self.verify:
+            verify_file(path, self.files[name], self.manifest_path)
+            size = self.files[name]["size"]
+        return cio.read_tensors(path, owned=owned, size=size) if load else {}
+
+    def bundle(self, stem: str) -> Any:
+        """What ``write_bundle`` wrote as ``stem``; its tensors are loaded only if its JSON refers to one."""
+        data = self.read_bytes(f"{stem}.json")
+        referred = codec.TENSOR_KEY in data  # the plugins' states often hold none
+        tensors = self.tensors(f"{stem}.safetensors", owned=True, load=referred)
+        path = self.directory / f"{stem}.json"
+        return cio.join_bundle(cio.parse_json(data, path), tensors, path)
+
+    def finish(self) -> None:
+        """Check the listed files no read touched (none with ``verify=False``)."""
+        if self.verify:
+            verify_listed(self.directory, {"files": self.files}, sorted(set(self.files) - self.seen))
+
+
+def is_complete(directory: Path) -> bool:
+    """Cheap completeness test (a readable manifest); ``read_manifest`` verifies the contents."""
+    try:
+        read_manifest(directory, verify=False)
+    except ConfigError:
+        return False
+    return True
