@@ -15,9 +15,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
+from op_recorder import OpRecorder
 from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainbus.engine import ConfigError, Engine, Event, HandlerError, Plugin, Priority
 from trainbus.engine.testing import count_syncs
@@ -209,21 +209,6 @@ def test_fp16_overflow_steps_do_not_update_the_ema() -> None:
 
 
 # -- EMA: no host sync, one foreach op ---------------------------------------------------------------------
-class OpRecorder(TorchDispatchMode):
-    """The aten ops run while active; ``mark`` starts a new step's list."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps: list[list[str]] = [[]]
-
-    def mark(self, ev: Any) -> None:
-        self.steps.append([])
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.steps[-1].append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_ema_reads_no_tensor_value() -> None:
     counts = []
     for plugins in ([], [EMA(0.9)], [EMA(0.99, warmup=False, every=2)]):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from dist_helpers import free_port, run_processes
 from facade_helpers import Regressor, quiet_args, regression_data
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_recorder import OpRecorder
 
 from trainbus.engine import ConfigError, Engine, Event, Priority
 from trainbus.engine.testing import count_syncs, everything_but
@@ -243,19 +243,6 @@ def test_the_skip_reads_nothing_on_the_host_per_step_only_once_per_logging_windo
         assert syncs(steps, [SkipNonFinite()]) - base == 1  # the read at TRAIN_END, however many steps
         assert syncs(steps, [SkipNonFinite()], log_every=3) - syncs(steps, [], log_every=3) == steps // 3 + 1
         assert syncs(steps, [SkipNonFinite(sync=True)]) - base == steps  # what sync=True trades for exactness
-
-
-class OpRecorder(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps: list[list[str]] = [[]]
-
-    def mark(self, ev: Any) -> None:
-        self.steps.append([])
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.steps[-1].append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_check_costs_five_scalar_sized_kernels_per_step() -> None:

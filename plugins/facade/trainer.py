@@ -83,6 +83,7 @@ class Trainer(TrainerUtilities, Engine):
     #: HF: whether compute_loss's loss is already normalised over the accumulation window (None: only
     #: when a compute_loss_func made it from num_items_in_batch); a subclass with its own loss may set it
     loss_is_scaled_for_ga: bool | None = None
+    _accumulation: GradientAccumulation | None = None  # this run's accumulation plugin (set by train)
 
     def __init__(
         self,
@@ -234,8 +235,8 @@ class Trainer(TrainerUtilities, Engine):
         Counted once per window by the accumulation plugin (across processes with
         average_tokens_across_devices); without one, the items of this batch.
         """
-        accumulation = self.get_plugin(GradientAccumulation)
-        if isinstance(accumulation, GradientAccumulation):
+        accumulation = self._accumulation
+        if accumulation is not None:
             return accumulation.window_items
         return count_items(batch, tuple(self.label_names))
 
@@ -476,9 +477,11 @@ class Trainer(TrainerUtilities, Engine):
             self.create_optimizer_and_scheduler(num_training_steps=self._plan()[0])  # HF: a subclass's runs
         else:
             self.create_optimizer()
+        # looked up once per run, not per micro-batch (_num_items_in_batch reads it on the hot path)
         accumulation = self.get_plugin(GradientAccumulation)
-        if isinstance(accumulation, GradientAccumulation):
-            accumulation.prescaled = self._loss_is_scaled_for_ga()
+        self._accumulation = accumulation if isinstance(accumulation, GradientAccumulation) else None
+        if self._accumulation is not None:
+            self._accumulation.prescaled = self._loss_is_scaled_for_ga()
         if self.distributed is not None:
             self.distributed.prepare_optimizer(self)  # DeepSpeed builds its engine before a resume loads into it
         self.state = State()
