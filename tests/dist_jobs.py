@@ -128,7 +128,13 @@ class WriteTrace:
 
 # -- jobs --------------------------------------------------------------------------------------------
 def trainer_for(
-    run_dir: Path, optim: str, lr: float, steps: int, callbacks: list[Any] | None = None, **more: Any
+    run_dir: Path,
+    optim: str,
+    lr: float,
+    steps: int,
+    callbacks: list[Any] | None = None,
+    model: torch.nn.Module | None = None,
+    **more: Any,
 ) -> Any:
     from trainbus.plugins import Trainer, TrainingArguments
 
@@ -140,7 +146,7 @@ def trainer_for(
     )  # fmt: skip
     args = TrainingArguments(**{**options, **more})  # ``more`` adds options or overrides these
     return Trainer(
-        TokenModel(), args, train_dataset=train_set(), compute_metrics=token_metrics, callbacks=callbacks or []
+        model or TokenModel(), args, train_dataset=train_set(), compute_metrics=token_metrics, callbacks=callbacks or []
     )
 
 

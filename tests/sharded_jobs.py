@@ -140,7 +140,8 @@ def deepspeed(out: Path) -> dict[str, Any]:
         config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
                   "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
         run = out / f"zero{stage}"
-        trainer = trainer_for(run / "full", optim, lr, steps, deepspeed=config)
+        # float32: DeepSpeed >= 0.19.8 refuses float64 parameters under ZeRO-3 (its master weights are float32 anyway)
+        trainer = trainer_for(run / "full", optim, lr, steps, model=TokenModel().float(), deepspeed=config)
         output = trainer.train()
         trainer.save_model()
         results[f"zero{stage}"] = {
@@ -153,7 +154,7 @@ def deepspeed(out: Path) -> dict[str, Any]:
         if int(os.environ.get("RANK", "0")) == 0:
             shutil.copytree(run / "full" / "checkpoint-2", run / "resumed" / "checkpoint-2")
         torch.distributed.barrier()
-        resumed = trainer_for(run / "resumed", optim, lr, steps, deepspeed=config)
+        resumed = trainer_for(run / "resumed", optim, lr, steps, model=TokenModel().float(), deepspeed=config)
         resumed.train(resume_from_checkpoint=True)
         results[f"zero{stage}"]["resumed"] = {
             "params": _gathered(resumed),

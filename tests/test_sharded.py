@@ -201,7 +201,7 @@ def test_a_sharded_checkpoint_at_another_world_size_says_how_to_go_on(fsdp_runs:
 
 
 # -- DeepSpeed through accelerate (ZeRO-2 and ZeRO-3 on CPU) ---------------------------------------------
-DS_TOL = 1e-6  # DeepSpeed keeps float32 master weights and optimizer states for the float64 model
+DS_TOL = 1e-6  # DeepSpeed trains a float32 copy of the float64 model (float32 master weights and states)
 
 
 def test_deepspeed_zero_through_accelerate_trains_and_resumes(fsdp_runs: tuple[Path, Path], tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -151,27 +152,47 @@ def prefix_metrics(metrics: Any, prefix: str, *, source: str = "compute_metrics"
     return out
 
 
+def default_ignore_keys(model: torch.nn.Module, ignore_keys: list[str] | None) -> list[str]:
+    """HF's rule for the outputs that are not predictions: the given keys, else the config's, else ``["cache"]``."""
+    if ignore_keys is not None:
+        return list(ignore_keys)
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    return list(getattr(config, "keys_to_ignore_at_inference", None) or ["cache"])
+
+
+def is_cache_object(value: Any) -> bool:
+    """Whether ``value`` is a transformers KV cache (``DynamicCache``, ``EncoderDecoderCache``, ...).
+
+    Checked by type, through ``sys.modules`` so that models without transformers never import it.
+    """
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_type = getattr(cache_utils, "Cache", None)
+    return isinstance(cache_type, type) and isinstance(value, cache_type)
+
+
 def hf_prediction_step(ignore_keys: list[str] | None = None) -> Callable[..., tuple[Any, Any, Any]]:
     """A ``prediction_step`` hook that picks logits like HF: every output but the loss and ``ignore_keys``.
 
     Dict / ModelOutput outputs give the tuple of their other entries (one entry: that tensor);
     tuple outputs drop a leading scalar loss. Use with ``engine.set_hook("prediction_step", ...)``.
-    ``ignore_keys=None`` means the model's ``config.keys_to_ignore_at_inference``, as in HF: a causal
-    LM's ``past_key_values`` (a cache object, not predictions) is left out.
+    ``ignore_keys=None`` means the model's ``config.keys_to_ignore_at_inference`` (``["cache"]`` when the
+    config has none, as transformers 5 does). A transformers cache object (a causal or seq2seq LM's
+    ``past_key_values``) is never a prediction: it is left out whatever the keys and the version say.
     """
 
     def prediction_step(model: torch.nn.Module, batch: Any, forward: Any, compute_loss: Any, label_names: Any) -> Any:
         from trainbus.hooks import get_labels
 
-        keys = ignore_keys
-        if keys is None:
-            keys = getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or []
-        ignored = {*keys, "loss"}
+        ignored = {*default_ignore_keys(model, ignore_keys), "loss"}
+        labels = get_labels(batch, tuple(label_names))  # before the forward: a compute_loss may pop them (HF)
         outputs = forward(model, batch)
-        labels = get_labels(batch, tuple(label_names))
         loss = None if labels is None else compute_loss(outputs, batch).detach()
         if isinstance(outputs, Mapping):
-            logits: Any = tuple(v for k, v in outputs.items() if k not in ignored and v is not None)
+            logits: Any = tuple(
+                v for k, v in outputs.items() if k not in ignored and v is not None and not is_cache_object(v)
+            )
         elif isinstance(outputs, list | tuple):
             has_loss = bool(outputs) and isinstance(outputs[0], torch.Tensor) and outputs[0].dim() == 0
             logits = tuple(outputs[1:] if has_loss else outputs)

@@ -34,7 +34,6 @@ from ..optimization.optimizer_names import check_optim
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "activation_checkpointing": (None, "use gradient_checkpointing"),
     "activation_checkpointing_kwargs": (None, "use gradient_checkpointing_kwargs"),
-    "use_cache": (False, ""),
     "eval_use_gather_object": (False, ""),
     "save_on_each_node": (False, "only the main process saves"),
     "enable_jit_checkpoint": (False, ""),
@@ -138,6 +137,7 @@ class TrainingArguments:
     tf32: bool | None = None
     gradient_checkpointing: bool | None = None
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    use_cache: bool = False  # HF 5: set on model.config, so a causal LM returns no cache while training
     torch_compile: bool = False
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None

@@ -121,6 +121,8 @@ class Trainer(TrainerUtilities, Engine):
             model = model_init(None) if takes_trial(model_init) else model_init()  # HF: a 1-argument one gets the trial
         self.model_init = model_init
         model = model.to(args.device)
+        if getattr(model, "config", None) is not None:
+            model.config.use_cache = args.use_cache  # as HF 5: no KV cache in training / evaluation outputs
         self.processing_class = processing_class
         self.compute_loss_func = compute_loss_func
         self.compute_metrics = compute_metrics
