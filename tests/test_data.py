@@ -86,7 +86,7 @@ def test_remove_unused_columns_off_keeps_columns(tmp_path: Path) -> None:
 
 def test_nothing_left_is_a_clear_error() -> None:
     collate = RemoveColumnsCollator(
-        default_data_collator, signature_columns(Regressor(), ["labels"]) or [], Regressor()
+        default_data_collator, signature_columns(Regressor(), ["labels"]), Regressor()
     )
     with pytest.raises(ConfigError, match=r"no column of the dataset \(\['a', 'b'\]\) matches"):
         collate([{"a": 1, "b": 2}])

@@ -107,11 +107,15 @@ def is_tokenizer_like(obj: Any) -> bool:
 
 
 # -- unused columns -----------------------------------------------------------------------------
-def signature_columns(model: torch.nn.Module, label_names: Sequence[str]) -> list[str] | None:
-    """The batch keys the model's forward accepts, plus label keys; None when it takes ``**kwargs``."""
+def signature_columns(model: torch.nn.Module, label_names: Sequence[str]) -> list[str]:
+    """The batch keys the model's forward names, plus label keys (transformers' rule).
+
+    As transformers does, a ``**kwargs`` forward keeps only the arguments it names (a raw ``text``
+    column goes, though ``**kwargs`` would take it), and a peft model is read through its base model.
+    """
+    if callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+        model = model.get_base_model()
     params = inspect.signature(model.forward).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return None
     return list(dict.fromkeys([*params, "label", "label_ids", *label_names]))
 
 
@@ -130,7 +134,7 @@ def remove_unused_columns(dataset: Any, model: torch.nn.Module, label_names: Seq
     """
     keep = signature_columns(model, label_names)
     names = getattr(dataset, "column_names", None)
-    if keep is None or not isinstance(names, list) or not callable(getattr(dataset, "remove_columns", None)):
+    if not isinstance(names, list) or not callable(getattr(dataset, "remove_columns", None)):
         return dataset
     drop = [c for c in names if c not in keep]
     if len(drop) == len(names):

@@ -110,7 +110,9 @@ def build_plugins(
         else:
             plugins.append(
                 GradientAccumulation(
-                    args.gradient_accumulation_steps, across_processes=args.average_tokens_across_devices
+                    args.gradient_accumulation_steps,
+                    count_items=trainer._count_items,  # what the model's loss averages over (loss_protocol)
+                    across_processes=args.average_tokens_across_devices,
                 )
             )
     optim = optimizer_spec(str(args.optim))

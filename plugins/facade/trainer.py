@@ -43,13 +43,14 @@ from ..distributed.processes import barrier
 from ..evaluation.collector import PredictionOutput, hf_prediction_step
 from ..observability.logging import TrainLogger
 from ..observability.memory import MemoryMetrics
-from ..optimization.accumulation import GradientAccumulation, count_items
+from ..optimization.accumulation import GradientAccumulation
 from ..optimization.optimizers import create_optimizer, fused_adamw_supported, parameter_groups
 from ..optimization.schedulers import LRScheduler, create_scheduler
 from .arguments import TrainingArguments
 from .callbacks import CallbackAdapter
 from .composition import Computed as _Computed
 from .composition import TrainOutput, build_plugins, check_metric_for_best_model, set_seed
+from .loss_protocol import accepts_loss_kwargs, honours_num_items, item_counter
 from .model_card import write_model_card
 from .search import hyperparameter_search as _hyperparameter_search
 from .search import takes_trial
@@ -134,6 +135,9 @@ class Trainer(TrainerUtilities, Engine):
         if args.eval_strategy != "no" and eval_dataset is None:
             raise ConfigError(f"eval_strategy={args.eval_strategy.value!r} needs an eval_dataset; none was given")
         self._model_for_columns = model
+        #: HF's: the forward takes loss kwargs, so training passes it ``num_items_in_batch``
+        self.model_accepts_loss_kwargs = accepts_loss_kwargs(model)
+        self._count_items = item_counter(model, self.label_names_arg)  # what the model's loss averages over
         # several processes: DDP through accelerate, sharded loaders (made before the train loader,
         # so the plan below counts global batches)
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"  # FSDP's mixed-precision policy
@@ -210,6 +214,8 @@ class Trainer(TrainerUtilities, Engine):
         elif cls.compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None:
             self.set_hook("forward", self._forward_compute_loss)
             self.set_hook("compute_loss", lambda outputs, batch: outputs.loss)
+        elif self.model_accepts_loss_kwargs:
+            self.set_hook("forward", self._forward_with_loss_kwargs)
         self.set_hook("prediction_step", self._prediction_step_hook)
         if cls.log is not Trainer.log:
             # after TrainLogger filled a logging point's record, before history and sinks read it
@@ -231,6 +237,12 @@ class Trainer(TrainerUtilities, Engine):
         loss, outputs = result if isinstance(result, tuple) else (result, None)
         return _Computed(loss, outputs)
 
+    def _forward_with_loss_kwargs(self, model: torch.nn.Module, batch: Any) -> Any:
+        """HF's call: a training forward with labels also gets ``num_items_in_batch`` (the window's items)."""
+        if model.training and isinstance(batch, Mapping) and "labels" in batch:
+            return model(**batch, num_items_in_batch=self._num_items_in_batch(batch))
+        return default_forward(model, batch)
+
     def _num_items_in_batch(self, batch: Any) -> Any:
         """HF's ``num_items_in_batch``: the items (labels not -100) of this step's whole accumulation window.
 
@@ -240,14 +252,20 @@ class Trainer(TrainerUtilities, Engine):
         accumulation = self._accumulation
         if accumulation is not None:
             return accumulation.window_items
-        return count_items(batch, tuple(self.label_names))
+        return self._count_items(batch)
 
     def _loss_is_scaled_for_ga(self) -> bool:
-        """HF's rule: the user's loss is already normalised over the window when a compute_loss_func
-        made it (with num_items_in_batch), unless ``loss_is_scaled_for_ga`` says otherwise."""
+        """Whether the loss is already normalised over the window (HF's ``loss_is_scaled_for_ga``).
+
+        It is when a compute_loss_func made it (with num_items_in_batch), or when the model divides
+        by the ``num_items_in_batch`` it is passed. Unlike HF, a ``**kwargs`` forward that ignores
+        the count (BERT's heads, T5) returns its own mean, which accumulation still weights.
+        """
         if self.loss_is_scaled_for_ga is not None:
             return bool(self.loss_is_scaled_for_ga)
-        return self.compute_loss_func is not None
+        if self.compute_loss_func is not None:
+            return True
+        return "labels" in self.label_names and honours_num_items(self.model)
 
     def _forward_training_step(self, model: torch.nn.Module, batch: Any) -> Any:
         if model.training and torch.is_grad_enabled():
@@ -274,6 +292,8 @@ class Trainer(TrainerUtilities, Engine):
         num_items_in_batch: Any = None,
     ) -> Any:
         """The model's loss (or ``compute_loss_func(outputs, labels, num_items_in_batch=...)``)."""
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None and isinstance(inputs, Mapping):
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}  # HF: the model normalises by it
         if self.compute_loss_func is None:
             outputs = default_forward(model, inputs)
             loss = loss_from_outputs(outputs)
@@ -322,7 +342,7 @@ class Trainer(TrainerUtilities, Engine):
         if not self.args.remove_unused_columns:
             return self.data_collator
         keep = signature_columns(self._model_for_columns, self.label_names_arg)
-        if keep is None or hasattr(dataset, "column_names"):
+        if hasattr(dataset, "column_names"):
             return self.data_collator  # datasets.Dataset columns are removed on the dataset itself
         return RemoveColumnsCollator(self.data_collator, keep, self._model_for_columns)
 

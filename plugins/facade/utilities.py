@@ -22,7 +22,6 @@ from trainbus.engine import ConfigError, Event, Priority
 
 from ..distributed.processes import all_reduce_sum, collective_device, world_size
 from ..evaluation.collector import EvalLoopOutput
-from ..optimization.accumulation import count_items
 from ..optimization.optimizers import get_decay_parameter_names, optimizer_cls_and_kwargs
 
 if TYPE_CHECKING:
@@ -38,6 +37,7 @@ class TrainerUtilities:
     optimizer: torch.optim.Optimizer | None
     state: Any
     label_names: Any
+    _count_items: Any  # fn(batch) -> the items the model's loss averages over (loss_protocol.item_counter)
     current_flos: float = 0.0
     _non_embedding_parameters: int | None = None
 
@@ -249,7 +249,7 @@ class TrainerUtilities:
                 break
         if not batches:
             return batches, None
-        counts = [count_items(batch, tuple(self.label_names)) for batch in batches]
+        counts = [self._count_items(batch) for batch in batches]
         items: Any = sum(counts[1:], counts[0])
         if world_size() > 1 and self.args.average_tokens_across_devices:
             items = all_reduce_sum(torch.as_tensor(items, device=collective_device()))
