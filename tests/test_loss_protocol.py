@@ -28,16 +28,18 @@ SEQ, VOCAB, N = 7, 30, 8
 def gpt2() -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                                      resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0))  # fmt: skip
+    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0,
+                        embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(config)
 
 
 def llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=24,
-                                        num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
-                                        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0))  # fmt: skip
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=24, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)  # fmt: skip
+    return LlamaForCausalLM(config)
 
 
 def t5() -> Any:
@@ -112,10 +114,7 @@ def reference_step(family: str) -> dict[str, torch.Tensor]:
     rows = uneven_rows(family)
     ids = torch.stack([r["input_ids"] for r in rows])
     labels = torch.stack([r["labels"] for r in rows])
-    if family == "t5":
-        logits = model(input_ids=ids, labels=labels).logits
-    else:
-        logits = model(input_ids=ids).logits
+    logits = model(input_ids=ids, labels=labels).logits if family == "t5" else model(input_ids=ids).logits
     if family in ("gpt2", "llama"):  # next-token prediction: position t predicts label t+1
         # transformers' causal-LM loss upcasts the logits to float32 (ForCausalLMLoss): so does this one
         logits, labels = logits[:, :-1].float(), labels[:, 1:]
