@@ -16,6 +16,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # the facade
     "facade.arguments": ("TrainingArguments", "IntervalStrategy", "SaveStrategy"),
     "facade.trainer": ("Trainer",),
+    "facade.seq2seq": ("Seq2SeqTrainer", "Seq2SeqTrainingArguments"),
     "facade.search": ("BestRun", "hyperparameter_search", "default_compute_objective"),
     "facade.model_card": ("write_model_card",),
     "facade.composition": ("TrainOutput", "build_plugins", "set_seed"),
