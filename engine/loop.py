@@ -305,6 +305,7 @@ class Engine(Assembly):
         assert optimizer is not None and self.train_data is not None
         batches = self.hooks.epoch_iterator(self.train_data, epoch, state.batches_in_epoch)
         k = self.accumulation_steps
+        batches_per_epoch = data_length(self.train_data) if steps_per_epoch else None
         windows = zip(batches) if k == 1 else _windows(batches, k)  # zip builds the 1-tuples in C
         callers, step_outputs = bus.callers, self.step_outputs
         hooks = None
@@ -364,8 +365,8 @@ class Engine(Assembly):
             state.global_step = step
             state.epoch_step += 1
             state.batches_in_epoch += size
-            if steps_per_epoch:
-                state.epoch = epoch + state.epoch_step / steps_per_epoch
+            if batches_per_epoch:  # as HF: the share of the epoch's micro-batches done (not of its steps)
+                state.epoch = epoch + state.batches_in_epoch / batches_per_epoch
             if call := callers[_STEP_END]:
                 call(StepEndEvent(self, stepped), step)
             # after the window: act on Control (one attribute tells whether any flag is set)

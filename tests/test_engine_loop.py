@@ -72,8 +72,8 @@ def test_step_arithmetic(config: LoopConfig) -> None:
         assert epoch_ids == list(range(used))
     full_epochs, rest = divmod(config.expected_steps, config.steps_per_epoch)
     assert state.epochs_completed == full_epochs
-    if rest:
-        assert state.epoch == full_epochs + rest / config.steps_per_epoch
+    if rest:  # HF's epoch: the share of the epoch's micro-batches done (full windows of k before the stop)
+        assert state.epoch == full_epochs + rest * k / config.batches_per_epoch
 
 
 @given(loop_configs(), st.integers(1, 30))

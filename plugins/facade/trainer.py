@@ -517,6 +517,8 @@ class Trainer(TrainerUtilities, Engine):
         metrics = dict(getattr(logger, "train_metrics", {}))
         memory = self.get_plugin("MemoryMetrics")  # skip_memory_metrics=False: HF returns the deltas too
         metrics.update(getattr(memory, "metrics", {}).get("train", {}))
+        if state.epoch is not None:
+            metrics["epoch"] = state.epoch  # HF's log() adds it to the very dict TrainOutput returns
         return TrainOutput(state.global_step, float(metrics.get("train_loss", 0.0)), metrics)
 
     def evaluate(  # type: ignore[override]

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -150,7 +150,7 @@ class TrainerUtilities:
             engine.on(event, self._store_flos_handler, priority=Priority.FIRST, name="Trainer.store_flos")
 
     def _add_flos(self, ev: Any) -> None:
-        if isinstance(ev.batch, dict):
+        if isinstance(ev.batch, Mapping):  # a collator's BatchEncoding is a UserDict, not a dict
             self.current_flos += float(self.floating_point_ops(ev.batch))  # shapes only: no host sync
 
     def _store_flos_handler(self, ev: Payload) -> None:
