@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from trainbus.engine import ConfigError
 from trainbus.engine.errors import check_positive_int, suggest
@@ -28,71 +27,33 @@ from ..observability.debug import parse_debug_options
 from ..optimization.device_settings import check_tf32
 from ..optimization.liger import check_liger_kernel
 from ..optimization.optimizer_names import check_optim
-
-#: HF fields trainbus does not implement, with HF's default: passing the default is accepted
-#: (it changes nothing), any other value raises. A hint names the trainbus way when there is one.
-UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "activation_checkpointing": (None, "use gradient_checkpointing"),
-    "activation_checkpointing_kwargs": (None, "use gradient_checkpointing_kwargs"),
-    "eval_use_gather_object": (False, ""),
-    "save_on_each_node": (False, "only the main process saves"),
-    "enable_jit_checkpoint": (False, ""),
-    "push_to_hub": (False, "trainbus never uploads"),
-    "hub_token": (None, ""),
-    "hub_model_id": (None, ""),
-    "hub_strategy": ("every_save", ""),
-    "hub_always_push": (False, ""),
-    "hub_revision": (None, ""),
-    "accelerator_config": (None, "configure accelerate with `accelerate config`"),
-    "parallelism_config": (None, ""),
-    "dataloader_in_order": (True, ""),
-    "group_by_length": (False, "transformers 5 spells it train_sampling_strategy='group_by_length'"),
-    "local_rank": (-1, "the process index comes from accelerate"),
-    "evaluation_strategy": (None, "renamed eval_strategy in transformers 4.46"),
-    "no_cuda": (False, "renamed use_cpu"),
-    "use_mps_device": (False, ""),
-    "use_ipex": (False, ""),
-    "jit_mode_eval": (False, ""),
-    "half_precision_backend": ("auto", ""),
-    "tpu_num_cores": (None, ""),
-    "past_index": (-1, ""),
-    "include_inputs_for_metrics": (False, "renamed include_for_metrics"),
-    "adafactor": (False, "use optim='adafactor'"),
-    "torchdynamo": (None, "use torch_compile"),
-    "use_legacy_prediction_loop": (False, ""),
-    "ray_scope": ("last", ""),
-    "mp_parameters": ("", ""),
-    "dispatch_batches": (None, ""),
-    "split_batches": (None, ""),
-    "fp16_opt_level": ("O1", ""),
-    "fp16_backend": ("auto", ""),
-    "save_safetensors": (True, "checkpoints are always safetensors (no pickle)"),
-}
-
-
-#: HF's log_level names; "passive" leaves the level as it is
-LOG_LEVELS: dict[str, int | None] = {
-    "detail": logging.DEBUG,
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
-    "passive": None,
-}
-
-#: torch.distributed backends HF accepts for ddp_backend
-DDP_BACKENDS = ("nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl", "xccl")
+from .argument_checks import (
+    DDP_BACKENDS,
+    LOG_LEVELS,
+    UNSUPPORTED,
+    check_field_types,
+    check_numbers,
+    check_output_dir,
+    check_trackers,
+    one_of,
+    report_to_list,
+)
+from .argument_processes import ParallelMode, ProcessArguments
 
 
 @dataclass
-class TrainingArguments:
+class TrainingArguments(ProcessArguments):
     """The arguments of a run, named and defaulted as in ``transformers.TrainingArguments``.
 
     Only fields trainbus implements exist; HF fields listed in ``UNSUPPORTED`` raise when set to a
     non-default value. ``do_train`` / ``do_eval`` / ``do_predict``, ``overwrite_output_dir``,
     ``run_name`` and ``logging_dir`` are accepted for scripts and, as in
-    HF's Trainer, change nothing in training.
+    HF's Trainer, change nothing in training (``do_eval`` turns True with an ``eval_strategy``, as HF's).
+
+    Every field's value is checked against its annotation (``argument_checks.check_field_types``).
+    The annotations are transformers' own, so ``HfArgumentParser`` builds the same command line
+    from this class as from HF's; ``main_process_first`` and ``parallel_mode`` come with the
+    process properties (``argument_processes.ProcessArguments``).
 
     Example:
         >>> from trainbus.plugins.facade.arguments import TrainingArguments
@@ -116,12 +77,14 @@ class TrainingArguments:
     max_steps: int = -1
     learning_rate: float = 5e-5
     lr_scheduler_type: str = "linear"
-    lr_scheduler_kwargs: dict[str, Any] | None = None
+    lr_scheduler_kwargs: dict[str, Any] | str | None = None  # a str: JSON (the command line)
     warmup_steps: float = 0
     warmup_ratio: float = 0.0
     optim: str = "adamw_torch_fused"
     optim_args: str | None = None
-    optim_target_modules: str | list[str] | None = None  # GaLore / APOLLO: the nn.Linear layers to project
+    # GaLore / APOLLO: the nn.Linear layers to project. None first, as HF: HfArgumentParser tests
+    # isinstance(None, <second type of the Union>), which a parameterized generic there breaks
+    optim_target_modules: None | str | list[str] = None  # noqa: RUF036
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -136,7 +99,7 @@ class TrainingArguments:
     fp16_full_eval: bool = False
     tf32: bool | None = None
     gradient_checkpointing: bool | None = None
-    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     use_cache: bool = False  # HF 5: set on model.config, so a causal LM returns no cache while training
     torch_compile: bool = False
     torch_compile_backend: str | None = None
@@ -155,14 +118,15 @@ class TrainingArguments:
     log_on_each_node: bool = True
     include_num_input_tokens_seen: str | bool = "no"
     disable_tqdm: bool | None = None
-    report_to: str | list[str] | None = "none"
+    report_to: None | str | list[str] = "none"  # noqa: RUF036 (None first, as optim_target_modules)
     run_name: str | None = None
     # the experiment trackers' settings (report_to="wandb" / "mlflow" / "trackio"); trainbus never pushes
     # to the Hub, so hub_private_repo only makes a Trackio Space private
     project: str = "huggingface"
     trackio_space_id: str | None = None
     trackio_bucket_id: str | None = None
-    trackio_static_space_id: str | bool | None = None
+    # HF's annotation: HfArgumentParser reads a str (a bool in the Union would not parse); False = no static Space
+    trackio_static_space_id: str | None | Literal[False] = None  # noqa: RUF036
     hub_private_repo: bool | None = None
     eval_strategy: str = "no"
     eval_steps: float | None = None
@@ -192,7 +156,7 @@ class TrainingArguments:
     ddp_bucket_cap_mb: int | None = None
     ddp_broadcast_buffers: bool | None = None
     ddp_static_graph: bool | None = None
-    fsdp: bool | str | list[str] | None = None
+    fsdp: str | None = None  # also True or a list of options (argument_checks.ACCEPTED)
     fsdp_config: dict[str, Any] | str | None = None
     deepspeed: dict[str, Any] | str | None = None
     auto_find_batch_size: bool = False
@@ -211,29 +175,33 @@ class TrainingArguments:
     resume_from_checkpoint: str | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # before any conversion: a wrong type fails here, naming the field
         if self.output_dir is None:
             self.output_dir = "trainer_output"  # HF 5 default
-        self.output_dir = os.path.expanduser(str(self.output_dir))
+        self.output_dir = os.path.expanduser(os.fspath(self.output_dir))
+        check_output_dir(self.output_dir)
         if self.gradient_checkpointing is None:
             self.gradient_checkpointing = False
         if self.disable_tqdm is None:
             self.disable_tqdm = False
         if isinstance(self.include_num_input_tokens_seen, bool):
             self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
-        _one_of("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("no", "all", "non_padding"))
+        one_of("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("no", "all", "non_padding"))
         self.logging_strategy = check_strategy("logging_strategy", self.logging_strategy, IntervalStrategy)
         self.eval_strategy = check_strategy("eval_strategy", self.eval_strategy, IntervalStrategy)
+        if self.eval_strategy != IntervalStrategy.NO:
+            self.do_eval = True  # HF: example scripts prepare the eval set when do_eval is set
         self.save_strategy = check_strategy("save_strategy", self.save_strategy, SaveStrategy)
-        self.report_to = _report_to(self.report_to)
-        _one_of("log_level", self.log_level, tuple(LOG_LEVELS))
-        _one_of("log_level_replica", self.log_level_replica, tuple(LOG_LEVELS))
+        self.report_to = report_to_list(self.report_to)
+        one_of("log_level", self.log_level, tuple(LOG_LEVELS))
+        one_of("log_level_replica", self.log_level_replica, tuple(LOG_LEVELS))
         self.debug = parse_debug_options(self.debug)
-        _check_trackers(self)
+        check_trackers(self)
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
             value = getattr(self, name)
             if isinstance(value, str) and value.startswith("{"):  # CLI JSON, as HF parses it
                 setattr(self, name, json.loads(value))
-        self._check_numbers()
+        check_numbers(self)
         self._check_steps()
         self._check_best_model()
         if self.fp16 and self.bf16:
@@ -249,30 +217,6 @@ class TrainingArguments:
         self._check_devices_and_data()
 
     # -- checks ---------------------------------------------------------------------------------
-    def _check_numbers(self) -> None:
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-            check_positive_int(name, getattr(self, name))
-        if self.max_steps != -1:
-            check_positive_int("max_steps (or -1 to use num_train_epochs)", self.max_steps)
-        if self.max_steps == -1 and not self.num_train_epochs > 0:
-            raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs!r}")
-        if self.save_total_limit is not None:
-            check_positive_int("save_total_limit (or None to keep every checkpoint)", self.save_total_limit)
-        if self.eval_accumulation_steps is not None:
-            check_positive_int("eval_accumulation_steps", self.eval_accumulation_steps)
-        if not 0.0 <= self.warmup_ratio <= 1.0:
-            raise ConfigError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio!r}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps must be >= 0 (a float < 1 is a ratio), got {self.warmup_steps!r}")
-        if not 0.0 <= self.label_smoothing_factor < 1.0:
-            raise ConfigError(f"label_smoothing_factor must be in [0, 1), got {self.label_smoothing_factor!r}")
-        if self.max_grad_norm is not None and self.max_grad_norm < 0:
-            raise ConfigError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm!r}")
-        if self.dataloader_num_workers < 0:
-            raise ConfigError(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers!r}")
-        if self.neftune_noise_alpha is not None and self.neftune_noise_alpha <= 0:
-            raise ConfigError(f"neftune_noise_alpha must be > 0 or None, got {self.neftune_noise_alpha!r}")
-
     def _check_processes(self) -> None:
         backend = self.ddp_backend
         if backend is not None and backend not in DDP_BACKENDS:
@@ -371,75 +315,6 @@ class TrainingArguments:
     def eval_batch_size(self) -> int:
         return self.per_device_eval_batch_size
 
-    # -- processes (accelerate's PartialState, set up on first use as HF does) -------------------
-    def _process_state(self) -> Any:
-        """accelerate's ``PartialState`` when launched on several processes (torchrun / accelerate launch), else None.
-
-        Made once, with ``ddp_backend`` and ``ddp_timeout``: it initialises the process group.
-        """
-        if "_processes" not in self.__dict__:
-            import datetime
-
-            import torch
-
-            launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-            if not launched and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-                self.__dict__["_processes"] = None
-            else:
-                from accelerate import PartialState
-
-                cpu = self.use_cpu or not torch.cuda.is_available()
-                kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=self.ddp_timeout)}
-                if self.ddp_backend is not None:
-                    kwargs["backend"] = self.ddp_backend
-                self.__dict__["_processes"] = PartialState(cpu=cpu, **kwargs)
-        return self.__dict__["_processes"]
-
-    @property
-    def world_size(self) -> int:
-        state = self._process_state()
-        return 1 if state is None else int(state.num_processes)
-
-    @property
-    def process_index(self) -> int:
-        state = self._process_state()
-        return 0 if state is None else int(state.process_index)
-
-    @property
-    def local_process_index(self) -> int:
-        state = self._process_state()
-        return 0 if state is None else int(state.local_process_index)
-
-    @property
-    def n_gpu(self) -> int:
-        return 0 if self.use_cpu else int(__import__("torch").cuda.device_count() > 0)
-
-    @property
-    def should_save(self) -> bool:
-        """Whether this process writes checkpoints and models: the main process only (HF)."""
-        return self.process_index == 0
-
-    def get_process_log_level(self) -> int:
-        """The ``logging`` level of this process (HF): ``log_level`` where ``should_log``, else ``log_level_replica``;
-        "passive" keeps the level the ``trainbus`` logger has."""
-        level = self.log_level if self.should_log else self.log_level_replica
-        chosen = LOG_LEVELS[level]
-        return logging.getLogger("trainbus").getEffectiveLevel() if chosen is None else chosen
-
-    @property
-    def should_log(self) -> bool:
-        """Whether this process logs: the main process, or each node's with log_on_each_node (HF)."""
-        return (self.local_process_index if self.log_on_each_node else self.process_index) == 0
-
-    @property
-    def device(self) -> Any:
-        import torch
-
-        if not torch.cuda.is_available() or self.use_cpu:
-            return torch.device("cpu")
-        state = self._process_state()
-        return torch.device("cuda") if state is None else torch.device(state.device)  # this rank's GPU
-
     def get_warmup_steps(self, num_training_steps: int) -> int:
         """Warmup steps as HF computes them: warmup_steps (a ratio when < 1), else warmup_ratio."""
         if self.warmup_steps >= 1:
@@ -487,23 +362,4 @@ def _checked_init(self: TrainingArguments, *args: Any, **kwargs: Any) -> None:
 
 TrainingArguments.__init__ = _checked_init  # type: ignore[method-assign]
 
-
-def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def _check_trackers(args: TrainingArguments) -> None:
-    if not isinstance(args.project, str) or not args.project:
-        raise ConfigError(f"project must be a non-empty string (the tracker's project name), got {args.project!r}")
-    if args.trackio_static_space_id is True:
-        raise ConfigError(
-            "trackio_static_space_id must be a Space id, None (a generated name) or False (no static Space), got True"
-        )
-
-
-def _report_to(value: Any) -> list[str]:
-    if value is None or value == "none" or value == ["none"]:
-        return []
-    names = [value] if isinstance(value, str) else list(value)
-    return [str(n) for n in names]
+__all__ = ["LOG_LEVELS", "UNSUPPORTED", "IntervalStrategy", "ParallelMode", "SaveStrategy", "TrainingArguments"]
