@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from .errors import ConfigError, HandlerError, TrainbusError
-from .events import Event, EventType, P, event_by_name
+from .events import END_EVENTS, Event, EventType, P, event_by_name
 from .filters import EventFilter, FilteredEvent
 
 logger = logging.getLogger("trainbus.engine")
@@ -34,7 +34,7 @@ class Priority:
 
 
 class _Record:
-    __slots__ = ("event", "filter", "fn", "name", "priority", "seq")
+    __slots__ = ("cleanup", "event", "filter", "fn", "name", "priority", "seq")
 
     def __init__(
         self,
@@ -44,6 +44,7 @@ class _Record:
         priority: int,
         name: str,
         seq: int,
+        cleanup: bool = False,
     ) -> None:
         self.event = event
         self.fn = fn
@@ -51,6 +52,7 @@ class _Record:
         self.priority = priority
         self.name = name
         self.seq = seq
+        self.cleanup = cleanup
 
 
 class Handle:
@@ -129,8 +131,15 @@ class EventBus:
         *,
         priority: int = Priority.DEFAULT,
         name: str | None = None,
+        cleanup: bool = False,
     ) -> Handle:
-        """Register ``handler`` for ``event`` (an Event, a filtered event, or an event name)."""
+        """Register ``handler`` for ``event`` (an Event, a filtered event, or an event name).
+
+        ``cleanup=True`` (END events only) makes the handler run also when the block failed: on the
+        END fired after EXCEPTION, and after an earlier handler of the same END raised; it then sees
+        ``payload.error``. Restoring weights, closing files and releasing memory are cleanup; work that
+        needs a finished block (metrics of a complete pass, loading the best model) is not.
+        """
         flt: EventFilter | None = None
         if isinstance(event, str):
             event = event_by_name(event)
@@ -145,7 +154,10 @@ class EventBus:
             raise ConfigError(f"handler for {event.name} must be callable, got {handler!r}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ConfigError(f"priority must be an int, got {priority!r}")
-        record = _Record(event, handler, flt, priority, name or handler_name(handler), next(self._seq))
+        if cleanup and event not in END_EVENTS:
+            ends = ", ".join(sorted(e.name for e in END_EVENTS))
+            raise ConfigError(f"cleanup=True is for the events that close a block ({ends}), not {event.name}")
+        record = _Record(event, handler, flt, priority, name or handler_name(handler), next(self._seq), cleanup)
         current = self._handlers[event.index] + (record,)
         self._set_handlers(event.index, tuple(sorted(current, key=lambda r: (-r.priority, r.seq))))
         return Handle(self, record)
@@ -228,6 +240,34 @@ class EventBus:
         if caller is not None:
             caller(payload, n)
 
+    def dispatch_each(self, event: EventType[Any], payload: Any, n: int) -> list[Exception]:
+        """Run the handlers of an END or EXCEPTION occurrence, each one even when another failed.
+
+        For an END payload: while ``payload.error`` is None every handler runs; once it is set (the
+        block failed before, or a handler here just raised, whose error becomes ``payload.error``)
+        only cleanup handlers run. Returns the failures (wrapped as ``_reraise`` would raise them),
+        in order; the caller raises or notes them. Never used per step: these events close blocks.
+        """
+        errors: list[Exception] = []
+        has_error = hasattr(payload, "error") and event in END_EVENTS
+        trace = self._trace
+        for record in self._handlers[event.index]:
+            if has_error and payload.error is not None and not record.cleanup:
+                continue
+            flt = record.filter
+            if flt is not None and not flt(n, payload):
+                continue
+            if trace is not None:
+                trace.append((record.event.name, record.name))
+            try:
+                record.fn(payload)
+            except Exception as exc:
+                wrapped = wrap_error(record, exc)
+                errors.append(wrapped)
+                if has_error and payload.error is None:
+                    payload.error = wrapped
+        return errors
+
     def enable_trace(self) -> list[tuple[str, str]]:
         """Record (event, handler) for every handler call from now on; returns the list."""
         trace: list[tuple[str, str]] = []
@@ -235,17 +275,27 @@ class EventBus:
         return trace
 
 
-def _reraise(record: _Record, exc: Exception) -> NoReturn:
-    """Raise a failing handler's exception as a HandlerError naming the handler and the event.
+def wrap_error(record: _Record, exc: Exception) -> Exception:
+    """A failing handler's exception as it is raised: a HandlerError naming the handler and the event.
 
     trainbus's own errors (ConfigError, ...) already say what is wrong and what is allowed; they
     keep their type, so callers can catch ConfigError, with a note saying where they came from. A
     HandlerError from a nested dispatch passes unchanged.
     """
     if isinstance(exc, HandlerError):
-        raise exc
+        return exc
     if isinstance(exc, TrainbusError):
         if hasattr(exc, "add_note"):
             exc.add_note(f"raised by handler {record.name!r} at event {record.event.name}")
+        return exc
+    wrapped = HandlerError(record.name, record.event.name, exc)
+    wrapped.__cause__ = exc
+    return wrapped
+
+
+def _reraise(record: _Record, exc: Exception) -> NoReturn:
+    """Raise ``wrap_error(record, exc)``: the hot path's error guard (see ``wrap_error``)."""
+    wrapped = wrap_error(record, exc)
+    if wrapped is exc:
         raise exc
-    raise HandlerError(record.name, record.event.name, exc) from exc
+    raise wrapped from exc

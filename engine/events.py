@@ -20,6 +20,14 @@ Where each event fires (one optimizer step over a window of k micro-batches)::
     TRAIN_END
     evaluate(): EVAL_START EVAL_BATCH_END* EVAL_END (payload.metrics)
     predict():  PREDICT_START PREDICT_BATCH_END* PREDICT_END (payload.output)
+    on failure: EXCEPTION, then every END still open, innermost first, with payload.error set;
+                the exception then reaches the caller unchanged
+
+An END event (EPOCH_END, TRAIN_END, EVAL_END, PREDICT_END) closes what its START opened. When fit,
+evaluate or predict raises after a START began to fire, EXCEPTION fires once, then each END still
+open fires with ``payload.error`` set, and only to handlers registered with ``cleanup=True`` (the
+others assume a finished block: metrics of a complete pass, the end of a run worth reporting). An
+END runs its cleanup handlers even when an earlier handler of that END failed. See ``lifecycle.py``.
 
 Each ``EventType`` carries its payload class, so ``engine.on(Event.LOSS, fn)`` type-checks ``fn``
 against ``LossEvent``. Calling an event makes a filtered event: ``Event.STEP_END(every=100)``.
@@ -92,7 +100,7 @@ class TrainStartEvent(Payload):
 
 @dataclass(eq=False, slots=True)
 class TrainEndEvent(Payload):
-    pass
+    error: BaseException | None = None  # set when the run failed (only cleanup handlers see it then)
 
 
 @dataclass(eq=False, slots=True)
@@ -103,6 +111,7 @@ class EpochStartEvent(Payload):
 @dataclass(eq=False, slots=True)
 class EpochEndEvent(Payload):
     epoch: int
+    error: BaseException | None = None  # set when the run failed inside this epoch
 
 
 @dataclass(eq=False, slots=True)
@@ -173,6 +182,7 @@ class EvalBatchEndEvent(Payload):
 class EvalEndEvent(Payload):
     metrics: dict[str, Any]  # mutable: metric plugins fill it; evaluate() returns it
     prefix: str
+    error: BaseException | None = None  # set when the pass failed: metrics are then incomplete
 
 
 @dataclass(eq=False, slots=True)
@@ -197,10 +207,17 @@ class PredictBatchEndEvent(Payload):
 class PredictEndEvent(Payload):
     output: Any = None  # set by a collecting plugin; predict() returns it
     metrics: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None  # set when the pass failed
+
+
+@dataclass(eq=False, slots=True)
+class ExceptionEvent(Payload):
+    error: BaseException  # what fit / evaluate / predict raised; it reaches the caller after the ENDs
+    during: str  # "fit", "evaluate" or "predict": the innermost call that failed
 
 
 class Event:
-    """The namespace of all events. ``Event.ALL`` lists them in loop order."""
+    """The namespace of all events. ``Event.ALL`` lists them in loop order, EXCEPTION last."""
 
     TRAIN_START = EventType("TRAIN_START", TrainStartEvent, 0)
     EPOCH_START = EventType("EPOCH_START", EpochStartEvent, 1)
@@ -221,6 +238,7 @@ class Event:
     PREDICT_START = EventType("PREDICT_START", PredictStartEvent, 16)
     PREDICT_BATCH_END = EventType("PREDICT_BATCH_END", PredictBatchEndEvent, 17)
     PREDICT_END = EventType("PREDICT_END", PredictEndEvent, 18)
+    EXCEPTION = EventType("EXCEPTION", ExceptionEvent, 19)
 
     ALL: ClassVar[tuple[EventType[Any], ...]] = ()
     BY_NAME: ClassVar[dict[str, EventType[Any]]] = {}
@@ -228,6 +246,8 @@ class Event:
 
 Event.ALL = tuple(sorted((v for v in vars(Event).values() if isinstance(v, EventType)), key=lambda e: e.index))
 Event.BY_NAME = {e.name: e for e in Event.ALL}
+#: the events that close a block, and may therefore fire on a failure (see the module docstring)
+END_EVENTS: frozenset[EventType[Any]] = frozenset({Event.EPOCH_END, Event.TRAIN_END, Event.EVAL_END, Event.PREDICT_END})
 
 
 def event_by_name(name: str) -> EventType[Any]:

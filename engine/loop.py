@@ -8,6 +8,7 @@ fires the events of ``events.py`` and acts on ``Control`` at the points document
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -26,18 +27,12 @@ from .events import (
     BeforeOptimizerStepEvent,
     EpochEndEvent,
     EpochStartEvent,
-    EvalBatchEndEvent,
-    EvalEndEvent,
-    EvalStartEvent,
     Event,
     EventType,
     LogEvent,
     LossEvent,
     OptimizerStepEvent,
     P,
-    PredictBatchEndEvent,
-    PredictEndEvent,
-    PredictStartEvent,
     SaveEvent,
     StepEndEvent,
     StepStartEvent,
@@ -45,8 +40,12 @@ from .events import (
     TrainStartEvent,
 )
 from .filters import FilteredEvent
+from .lifecycle import Lifecycle, OpenEnd
+from .passes import Passes
 from .plugin import Plugin
 from .state import Control, State
+
+logger = logging.getLogger("trainbus.engine")
 
 # handler-table slots of the hot events, looked up once instead of per step
 _STEP_START = Event.STEP_START.index
@@ -72,8 +71,11 @@ def data_length(data: Any) -> int | None:
         return None
 
 
-class Engine(Assembly):
+class Engine(Passes, Assembly, Lifecycle):
     """A training loop that fires events; features are plugins.
+
+    fit, evaluate and predict always close what they open: on a failure EXCEPTION fires, then the
+    ENDs still open (with ``payload.error``), then the exception reaches the caller (``lifecycle.py``).
 
     Args:
         model: the ``torch.nn.Module`` to train.
@@ -150,6 +152,9 @@ class Engine(Assembly):
         #: cleared at every STEP_START, read by loggers at STEP_END / LOG without a host sync
         self.step_outputs: dict[str, Any] = {}
         self.plugins: list[Plugin] = []
+        self._open_ends: list[OpenEnd] = []
+        self._announced: BaseException | None = None
+        self._log_warned = False
         if trace:
             self.bus.enable_trace()
         for plugin in plugins:
@@ -209,9 +214,13 @@ class Engine(Assembly):
         *,
         priority: int = Priority.DEFAULT,
         name: str | None = None,
+        cleanup: bool = False,
     ) -> Handle:
-        """Register a handler; returns a handle whose ``remove()`` unregisters it."""
-        return self.bus.on(event, handler, priority=priority, name=name)
+        """Register a handler; returns a handle whose ``remove()`` unregisters it.
+
+        ``cleanup=True`` (END events): run also when the block failed (see ``EventBus.on``).
+        """
+        return self.bus.on(event, handler, priority=priority, name=name, cleanup=cleanup)
 
     # -- firing --------------------------------------------------------------------------------
     def _fire(self, event: EventType[P], make: Callable[[], P]) -> P | None:
@@ -225,8 +234,19 @@ class Engine(Assembly):
         return payload
 
     def log(self, logs: dict[str, float]) -> None:
-        """Emit a log record (HF ``Trainer.log``): fires LOG with ``window=False``."""
-        self._fire(Event.LOG, lambda: LogEvent(self, logs, False))
+        """Emit a log record (HF ``Trainer.log``): fires LOG with ``window=False``.
+
+        With no LOG handler (no logger attached) the record is not lost: it is kept in
+        ``state.log_history`` with its step, as HF's ``Trainer.log`` keeps it, and a warning says so once.
+        """
+        if self._fire(Event.LOG, lambda: LogEvent(self, logs, False)) is None and logs:
+            self.state.log_history.append({**logs, "step": self.state.global_step})
+            if not self._log_warned:
+                self._log_warned = True
+                logger.warning(
+                    "engine.log(): no LOG handler is attached, so records are only kept in state.log_history; "
+                    "attach a TrainLogger or a sink to write them out"
+                )
 
     def _side_effects(self) -> None:
         """Act on the Control flags in the order LOG, EVAL, SAVE; each is reset before it runs."""
@@ -274,13 +294,20 @@ class Engine(Assembly):
         control.should_training_stop = False
         self.model.train()
         hooks.zero_grad(self.optimizer)
-        self._fire(Event.TRAIN_START, lambda: TrainStartEvent(self))
-        self._side_effects()
-        while (
-            state.epochs_completed < num_epochs and state.global_step < max_steps and not control.should_training_stop
-        ):
-            self._run_epoch(max_steps, steps_per_epoch)
-        self._fire(Event.TRAIN_END, lambda: TrainEndEvent(self))
+        depth = self._open(Event.TRAIN_END, lambda: TrainEndEvent(self))
+        try:  # one try per run, none per step: the failure path closes what is open (lifecycle.py)
+            self._fire(Event.TRAIN_START, lambda: TrainStartEvent(self))
+            self._side_effects()
+            while (
+                state.epochs_completed < num_epochs
+                and state.global_step < max_steps
+                and not control.should_training_stop
+            ):
+                self._run_epoch(max_steps, steps_per_epoch)
+            self._close(depth)
+        except BaseException as error:
+            self._fail(error, depth, "fit")
+            raise
         return state
 
     def _run_epoch(self, max_steps: int, steps_per_epoch: int | None) -> None:
@@ -300,6 +327,7 @@ class Engine(Assembly):
         state, control, bus = self.state, self.control, self.bus
         epoch = state.epochs_completed
         control.should_epoch_stop = False
+        depth = self._open(Event.EPOCH_END, lambda: EpochEndEvent(self, epoch))  # closed by fit() on failure
         self._fire(Event.EPOCH_START, lambda: EpochStartEvent(self, epoch))
         model, optimizer = self.model, self.optimizer  # after EPOCH_START: its handlers may replace them
         assert optimizer is not None and self.train_data is not None
@@ -391,65 +419,5 @@ class Engine(Assembly):
             state.epoch = float(state.epochs_completed)
             state.batches_in_epoch = 0
             state.epoch_step = 0
-        self._fire(Event.EPOCH_END, lambda: EpochEndEvent(self, epoch))
+        self._close(depth)
         self._side_effects()
-
-    # -- evaluate / predict --------------------------------------------------------------------
-    def evaluate(self, data: Any = None, *, prefix: str = "eval") -> dict[str, Any]:
-        """Run the eval loop; returns the metrics that EVAL_END handlers put in the payload.
-
-        ``data`` (default ``eval_data``) may be a dict of named sets: each runs with prefix
-        ``{prefix}_{name}`` and the results are merged.
-        """
-        data = self.eval_data if data is None else data
-        if data is None:
-            raise ConfigError("evaluate() needs data: pass eval_data to the Engine or data to evaluate()")
-        if isinstance(data, Mapping):
-            metrics: dict[str, Any] = {}
-            for name, subset in data.items():
-                metrics.update(self._evaluate_one(subset, f"{prefix}_{name}"))
-            return metrics
-        return self._evaluate_one(data, prefix)
-
-    def _evaluate_one(self, data: Iterable[Any], prefix: str) -> dict[str, Any]:
-        hooks, model = self.hooks, self.model
-        data = hooks.eval_data(data)
-        was_training = model.training
-        model.eval()
-        try:
-            self._fire(Event.EVAL_START, lambda: EvalStartEvent(self, data, prefix))
-            with torch.inference_mode():
-                for batch in data:
-                    batch = hooks.to_device(batch, self.device)
-                    loss, logits, labels = hooks.prediction_step(
-                        model, batch, hooks.forward, hooks.compute_loss, self.label_names
-                    )
-                    self._fire(
-                        Event.EVAL_BATCH_END, lambda: EvalBatchEndEvent(self, batch, loss, logits, labels, prefix)
-                    )
-            end = EvalEndEvent(self, {}, prefix)
-            self.bus.dispatch(Event.EVAL_END, end, self.bus.count(Event.EVAL_END))
-        finally:
-            model.train(was_training)
-        return end.metrics
-
-    def predict(self, data: Iterable[Any]) -> Any:
-        """Run the prediction loop; returns what PREDICT_END handlers put in ``payload.output``."""
-        hooks, model = self.hooks, self.model
-        data = hooks.eval_data(data)
-        was_training = model.training
-        model.eval()
-        try:
-            self._fire(Event.PREDICT_START, lambda: PredictStartEvent(self, data))
-            with torch.inference_mode():
-                for batch in data:
-                    batch = hooks.to_device(batch, self.device)
-                    loss, logits, labels = hooks.prediction_step(
-                        model, batch, hooks.forward, hooks.compute_loss, self.label_names
-                    )
-                    self._fire(Event.PREDICT_BATCH_END, lambda: PredictBatchEndEvent(self, batch, loss, logits, labels))
-            end = PredictEndEvent(self)
-            self.bus.dispatch(Event.PREDICT_END, end, self.bus.count(Event.PREDICT_END))
-        finally:
-            model.train(was_training)
-        return end.output

@@ -73,11 +73,20 @@ class Plugin:
         handler: Callable[[P], None],
         *,
         priority: int | None = None,
+        cleanup: bool = False,
     ) -> Handle:
-        """Register ``handler`` and remember it for ``detach``; named ``<plugin>.<method>``."""
+        """Register ``handler`` and remember it for ``detach``; named ``<plugin>.<method>``.
+
+        ``cleanup=True`` (END events only): the handler also runs when the block failed, with
+        ``payload.error`` set, e.g. to put back weights an evaluation swapped in.
+        """
         label = getattr(handler, "__name__", type(handler).__name__)
         handle = engine.on(
-            event, handler, priority=self.priority if priority is None else priority, name=f"{self.name}.{label}"
+            event,
+            handler,
+            priority=self.priority if priority is None else priority,
+            name=f"{self.name}.{label}",
+            cleanup=cleanup,
         )
         self.__dict__.setdefault("_plugin_handles", []).append(handle)
         return handle

@@ -18,6 +18,10 @@ The grammar every trace obeys (SIDE = LOG | EVAL_START EVAL_BATCH_END* EVAL_END 
         BEFORE_OPTIMIZER_STEP OPTIMIZER_STEP? STEP_END SIDE*)* EPOCH_END SIDE*)* TRAIN_END
     | EVAL_START EVAL_BATCH_END* EVAL_END | LOG | SAVE
     | PREDICT_START PREDICT_BATCH_END* PREDICT_END )*
+
+and the failure path: after any event of an open block (or right after the END that closed one,
+when a handler of that END raised) may come EXCEPTION, then exactly the ENDs still open, innermost
+first (EVAL_END / PREDICT_END, EPOCH_END, TRAIN_END), and then the trace ends or a new block starts.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bus import Priority
-from .events import Event
+from .events import END_EVENTS, Event
 from .loop import Engine
 from .plugin import Plugin
 
@@ -52,8 +56,8 @@ class EventRecorder(Plugin):
         self.keep_payloads = keep_payloads
 
     def attach(self, engine: Engine) -> None:
-        for event in Event.ALL:
-            self.on(engine, event, self._record)
+        for event in Event.ALL:  # cleanup on the ENDs: record them on the failure path too
+            self.on(engine, event, self._record, cleanup=event in END_EVENTS)
 
     def _record(self, payload: Any) -> None:
         self.names.append(_EVENT_OF_PAYLOAD[type(payload)])
@@ -99,6 +103,16 @@ _TRANSITIONS: dict[str, dict[str, str]] = {
     "OPT1": {"STEP_END": "EPOCH1"},
 }
 _ALLOWS_SIDE = {"TOP", "TRAIN", "EPOCH1"}
+#: the ENDs still open in a state of the automaton, innermost first (what a failure there closes)
+_OPEN_ENDS = {"TOP": (), "TRAIN": ("TRAIN_END",)}
+_TOP_LEVEL_ENDS = ("TRAIN_END", "EVAL_END", "PREDICT_END")
+
+
+def _closing(state: str, block: str | None, block_return: str | None) -> list[str]:
+    """The ENDs a failure in this automaton state closes, innermost first."""
+    ends = ["EVAL_END"] if block == "EVAL" else ["PREDICT_END"] if block == "PREDICT" else []
+    outer = (block_return or "TOP") if block == "EVAL" else "TOP" if block == "PREDICT" else state
+    return ends + list(_OPEN_ENDS.get(outer, ("EPOCH_END", "TRAIN_END")))
 
 
 def check_trace(trace: Sequence[str]) -> None:
@@ -106,7 +120,19 @@ def check_trace(trace: Sequence[str]) -> None:
     state = "TOP"
     block_return: str | None = None  # where an EVAL / PREDICT block returns to
     block: str | None = None
+    closing: list[str] | None = None  # after EXCEPTION: the ENDs that must follow, in order
     for position, name in enumerate(trace):
+        if closing:
+            if name != closing[0]:
+                raise TraceError(position, name, [closing[0]], trace)
+            closing.pop(0)
+            continue
+        if name == "EXCEPTION":
+            if state == "TOP" and block is None and (position == 0 or trace[position - 1] not in _TOP_LEVEL_ENDS):
+                raise TraceError(position, name, ["TRAIN_START", "EVAL_START", "PREDICT_START", "LOG", "SAVE"], trace)
+            closing = _closing(state, block, block_return)
+            state, block, block_return = "TOP", None, None
+            continue
         if block == "EVAL":
             if name == "EVAL_BATCH_END":
                 continue
@@ -132,6 +158,8 @@ def check_trace(trace: Sequence[str]) -> None:
             block = "PREDICT"
         else:
             state = allowed[name]
+    if closing:
+        raise TraceError(len(trace), "<end>", [closing[0]], trace)
     if block is not None or state != "TOP":
         expected = (
             ["EVAL_END"] if block == "EVAL" else ["PREDICT_END"] if block == "PREDICT" else list(_TRANSITIONS[state])

@@ -319,22 +319,26 @@ def test_an_evaluation_whose_forward_raises_restores_at_once() -> None:
     assert ema.restore()  # nothing left swapped
 
 
-@pytest.mark.parametrize("event", [Event.EVAL_BATCH_END, Event.EVAL_END])
-def test_an_evaluation_failing_in_a_handler_restores_before_anything_trains(event: Any) -> None:
+@pytest.mark.parametrize("event", [Event.EVAL_START, Event.EVAL_BATCH_END, Event.EVAL_END])
+def test_an_evaluation_failing_in_a_handler_restores_before_the_error_reaches_the_caller(event: Any) -> None:
     def run(fail: bool) -> Engine:
-        engine = make_engine([EvalCollector(), EMA(0.8, eval_with_ema=True)], steps=5)
+        ema = EMA(0.8, eval_with_ema=True)
+        engine = make_engine([EvalCollector(), ema], steps=5)
         engine.fit()
         if fail:
+            training = params(engine.model)
 
             def explode(ev: Any) -> None:
                 raise RuntimeError("metric exploded")
 
-            handle = engine.on(event, explode)
+            handle = engine.on(event, explode)  # EVAL_END: before EMA's restore, which still runs
             with pytest.raises(HandlerError, match="metric exploded"):
                 engine.evaluate()
+            assert_same(training, engine.model)  # EVAL_END's cleanup ran before the error got here
+            assert ema._training_data is None
             handle.remove()
         engine.max_steps = 10
-        engine.fit()  # TRAIN_START puts the training weights back first
+        engine.fit()
         return engine
 
     assert_same(params(run(False).model), run(True).model)

@@ -59,11 +59,18 @@ def test_an_evaluation_that_raises_never_leaves_a_half_model_to_train() -> None:
     def fail(ev: object) -> None:
         raise RuntimeError("metric exploded")
 
+    before = [t.detach().clone() for t in engine.model.state_dict().values()]
     handle = engine.on(Event.EVAL_BATCH_END, fail)
     with pytest.raises(Exception, match="metric exploded"):
         engine.evaluate()
+    after = list(engine.model.state_dict().values())  # EVAL_END's cleanup ran before the error got here
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(after, before, strict=True))
     handle.remove()
-    engine.fit()  # TRAIN_START restores the fp32 tensors first
+    engine.on(Event.PREDICT_BATCH_END, fail)
+    with pytest.raises(Exception, match="metric exploded"):
+        engine.predict([(torch.randn(2, 6), torch.zeros(2, dtype=torch.long))])
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())  # PREDICT_END's cleanup ran
+    engine.fit()
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())
 
 

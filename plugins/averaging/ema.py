@@ -16,15 +16,15 @@ in the same foreach op; integer buffers (``num_batches_tracked``) are always the
 Evaluation with the averages (``eval_with_ema=True``) swaps them into the model at EVAL_START and
 the training weights back at EVAL_END. A swap exchanges the parameters' ``.data`` (no copy, no
 extra memory): the training tensors themselves come back, so they are bit for bit what they were.
-The swap runs before ``HalfPrecisionEval`` casts the model and the restore after it restores it. An
-evaluation whose forward or loss raises restores at once (the ``prediction_step`` hook); one that
-fails elsewhere (an EVAL_BATCH_END or EVAL_END handler) restores at the next TRAIN_START,
-EVAL_START or PREDICT_START, or at ``restore()``. ``predict()`` uses the training weights.
+The swap runs before ``HalfPrecisionEval`` casts the model and the restore after it restores it. The
+restore is a cleanup handler of EVAL_END, so it also runs when the evaluation fails (the engine fires
+EVAL_END with ``payload.error`` before the exception reaches the caller): the training weights are
+back whatever raised. ``predict()`` uses the training weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +135,7 @@ class EMA(Plugin):
         self._sources: list[torch.Tensor] = []  # the model's live tensors, aligned with _names
         self._pending: dict[str, torch.Tensor] | None = None  # loaded before the averages existed
         self._training_data: list[torch.Tensor] | None = None  # the training tensors while swapped
+        self._swapped_for_eval = False  # swapped in by EVAL_START, so EVAL_END puts them back
         self._engine: Engine | None = None
 
     # -- the decay -------------------------------------------------------------------------------
@@ -147,8 +148,6 @@ class EMA(Plugin):
     # -- wiring ----------------------------------------------------------------------------------
     def attach(self, engine: Engine) -> None:
         self._engine = engine
-        # after HalfPrecisionEval (FIRST) put its fp32 tensors back, before the rest of TRAIN_START
-        self.on(engine, Event.TRAIN_START, self._restore_stale, priority=Priority.FIRST - 1)
         # last: optimizer plugins (FIRST) and model set-up (compile, adapters) have run
         self.on(engine, Event.TRAIN_START, self._bind_at_start, priority=Priority.LAST)
         step = Event.OPTIMIZER_STEP if self.every == 1 else Event.OPTIMIZER_STEP(every=self.every)
@@ -156,10 +155,7 @@ class EMA(Plugin):
         if self.eval_with_ema:
             # swap before HalfPrecisionEval casts (FIRST) and restore after it restored (LAST)
             self.on(engine, Event.EVAL_START, self._eval_start, priority=Priority.FIRST + 1)
-            self.on(engine, Event.EVAL_END, self._eval_end, priority=Priority.LAST - 1)
-            self.on(engine, Event.PREDICT_START, self._restore_stale, priority=Priority.FIRST + 1)
-            self.on(engine, Event.PREDICT_END, self._restore_stale, priority=Priority.LAST - 1)
-            self.wrap_hook(engine, "prediction_step", self._restore_on_error)
+            self.on(engine, Event.EVAL_END, self._eval_end, priority=Priority.LAST - 1, cleanup=True)
 
     def detach(self, engine: Engine) -> None:
         self.restore(force=True)
@@ -270,7 +266,6 @@ class EMA(Plugin):
         Yields the model. Nested in an evaluation that already swapped them in, it changes nothing.
         """
         engine = self._engine_or(engine)
-        self.restore()
         if self._training_data is not None:  # swapped in already
             yield engine.model
             return
@@ -292,28 +287,17 @@ class EMA(Plugin):
 
     # -- evaluation ------------------------------------------------------------------------------
     def _eval_start(self, event: EvalStartEvent) -> None:
-        self.restore()  # left swapped by an evaluation that raised
         if self._training_data is not None:
-            return  # still under another plugin's tensors: they come back at EVAL_END, then ours
+            return  # swapped in already (an evaluation inside ``with ema.swapped()``): it restores
         if self._names is None and self._pending is None:
             return  # never trained, nothing loaded: the average is the weights
         self._swap_in(event.engine)
+        self._swapped_for_eval = True
 
     def _eval_end(self, event: EvalEndEvent) -> None:
-        self.restore()
-
-    def _restore_stale(self, event: Any) -> None:
-        self.restore()
-
-    def _restore_on_error(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def prediction_step(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return inner(*args, **kwargs)
-            except BaseException:
-                self.restore()  # an evaluation that raised leaves no averaged weights behind
-                raise
-
-        return prediction_step
+        if self._swapped_for_eval:  # a cleanup handler: also after a failed pass
+            self._swapped_for_eval = False
+            self.restore(force=event.error is not None)  # failed: whatever is still on top goes too
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -8,9 +8,9 @@ change them.
 Unlike HF, which leaves the model in half precision after ``evaluate()`` (a later ``train()``
 would then train a half model), the plugin keeps the fp32 tensors aside while the eval runs and
 puts them back at EVAL_END / PREDICT_END, so the weights after an evaluation are bit for bit the
-weights before it. That costs the fp32 tensors' memory during the evaluation. Should an
-evaluation raise before EVAL_END, the fp32 tensors come back at the next TRAIN_START, EVAL_START
-or PREDICT_START.
+weights before it. That costs the fp32 tensors' memory during the evaluation. The restore is a
+cleanup handler: when an evaluation raises, the engine fires EVAL_END / PREDICT_END with
+``payload.error`` before the exception reaches the caller, so the fp32 tensors are back then too.
 """
 
 from __future__ import annotations
@@ -72,21 +72,19 @@ class HalfPrecisionEval(Plugin):
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_START, self._train_start)
-        self.on(engine, Event.TRAIN_END, self._train_end, priority=Priority.LAST)
+        self.on(engine, Event.TRAIN_END, self._train_end, priority=Priority.LAST, cleanup=True)
         for start, end in ((Event.EVAL_START, Event.EVAL_END), (Event.PREDICT_START, Event.PREDICT_END)):
             self.on(engine, start, self._cast_model)
-            self.on(engine, end, self._restore_model, priority=Priority.LAST)
+            self.on(engine, end, self._restore_model, priority=Priority.LAST, cleanup=True)
         self.wrap_hook(engine, "prediction_step", self._cast_inputs)
 
     def _train_start(self, ev: Any) -> None:
-        self._restore_model(ev)  # never train a half model, even after an evaluation that raised
         self._training = True
 
     def _train_end(self, ev: Any) -> None:
         self._training = False
 
     def _cast_model(self, ev: Any) -> None:
-        self._restore_model(ev)  # a previous evaluation that raised left the model cast
         if self._training:
             return
         model: torch.nn.Module = ev.engine.model
