@@ -30,6 +30,11 @@ def label_smoothed_loss(
     predicts label ``t + 1``. For a mean over the active labels this equals
     ``F.cross_entropy(..., label_smoothing=eps, ignore_index=ignore_index)``.
     """
+    if labels.is_floating_point() or labels.is_complex():  # a dtype read, no sync; gather's own error is cryptic
+        raise ConfigError(
+            f"label smoothing needs class indices as labels (an integer tensor), got {labels.dtype} "
+            "labels; set label_smoothing_factor=0 for regression or soft (probability) labels"
+        )
     if shift_labels:
         logits = logits[..., :-1, :].contiguous()
         labels = labels[..., 1:].contiguous()
