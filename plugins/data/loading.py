@@ -11,14 +11,16 @@
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import inspect
 import itertools
+import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler, default_collate
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 
@@ -232,10 +234,26 @@ def resumable_epoch_iterator(data: Iterable[Any], epoch: int, skip_batches: int)
         if callable(set_epoch):
             set_epoch(epoch)
             break
+    dataset = getattr(data, "dataset", None)
+    if isinstance(dataset, SeededBatches):  # its workers' seeds (a sampler's set_epoch above is separate)
+        dataset.set_epoch(epoch)
     if skip_batches and isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
         return iter(skip_first_batches(data, skip_batches))
     iterator = iter(data)
     return itertools.islice(iterator, skip_batches, None) if skip_batches else iterator
+
+
+def fetch_one_ahead(batches: Iterable[Any]) -> Iterator[Any]:
+    """The same batches, each yielded once the next one has been made (accelerate's DataLoaderShard order)."""
+    iterator = iter(batches)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for upcoming in iterator:
+        yield current
+        current = upcoming
+    yield current
 
 
 class ResumableData(Plugin):
@@ -321,6 +339,8 @@ def build_dataloader(
             prefetch_factor=prefetch_factor,
             multiprocessing_context=multiprocessing_context,
         )
+    if num_workers > 0 and not iterable:
+        dataset = SeededBatches(dataset, seed)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -329,7 +349,6 @@ def build_dataloader(
         drop_last=drop_last,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        worker_init_fn=functools.partial(_seed_worker, seed) if num_workers > 0 else None,
         **workers,  # type: ignore[arg-type]
     )
 
@@ -349,9 +368,51 @@ class _IterableWrapper(IterableDataset[Any]):
             set_epoch(epoch)
 
 
-def _seed_worker(seed: int, worker_id: int) -> None:
-    """A worker's ``worker_init_fn`` (bound with functools.partial: picklable for "spawn" workers)."""
-    torch.manual_seed(seed + worker_id)
+class SeededBatches(Dataset[Any]):
+    """A map-style dataset whose batches, when a worker loads them, start from their own seed.
+
+    Worker ``i`` of a plain DataLoader seeds its RNGs once per epoch and draws from them for every
+    batch it loads, so what a random transform or collator draws depends on which worker got the
+    batch and on what that worker loaded before. A resumed run skips the epoch's first batches, the
+    rest are dealt to the workers differently, and every draw moves. Here a worker seeds torch,
+    ``random`` and numpy for each batch from ``(seed, epoch, the batch's indices)`` before loading
+    it (and before the collator runs, in the same worker): draws differ from batch to batch and from
+    epoch to epoch, and do not depend on the worker count or on where the epoch resumed. In the main
+    process (no workers) nothing is reseeded: the training RNG is left alone.
+    """
+
+    def __init__(self, dataset: Any, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch  # read by the workers started for this epoch (they copy the dataset)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        if torch.utils.data.get_worker_info() is not None:
+            seed = _batch_seed(self.seed, self.epoch, indices)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
+        getitems = getattr(self.dataset, "__getitems__", None)
+        return list(getitems(indices)) if callable(getitems) else [self.dataset[i] for i in indices]
+
+    def __getattr__(self, name: str) -> Any:  # column_names, features, ...: the wrapped dataset's
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def _batch_seed(seed: int, epoch: int, indices: list[int]) -> int:
+    digest = hashlib.blake2b(repr((seed, epoch, [int(i) for i in indices])).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
 
 
 __all__ = [
@@ -361,6 +422,7 @@ __all__ = [
     "ResumableData",
     "build_dataloader",
     "check_multiprocessing_context",
+    "fetch_one_ahead",
     "default_data_collator",
     "is_tokenizer_like",
     "remove_unused_columns",

@@ -32,6 +32,7 @@ from ..data.loading import (
     RemoveColumnsCollator,
     build_dataloader,
     default_data_collator,
+    fetch_one_ahead,
     is_tokenizer_like,
     remove_unused_columns,
     signature_columns,
@@ -181,6 +182,9 @@ class Trainer(TrainerUtilities, Engine):
         if args.metric_for_best_model is not None and self.eval_data is not None:
             check_metric_for_best_model(self, args.metric_for_best_model)
         self.add_plugin(self.callback_handler)
+        # as accelerate's loader under HF: batch i+1 is made before step i runs, so a random collator's
+        # draws (masked LM) come in the same order relative to the step's dropout
+        self.wrap_hook("epoch_iterator", lambda inner: lambda *a: fetch_one_ahead(inner(*a)))
         self._count_flos_when_known()
         if self.memory_metrics is not None:
             self.memory_metrics.stop("init")
@@ -582,6 +586,21 @@ class Trainer(TrainerUtilities, Engine):
                 write_model_card(self, output_dir)  # README.md next to the model (after peft's, which it replaces)
         finally:
             barrier()  # every rank returns once the model is on disk
+
+    @property
+    def accelerator(self) -> Any:
+        """accelerate's ``Accelerator`` (HF scripts call its is_main_process, gather_for_metrics, print, ...).
+
+        Under several processes it is the one the Distributed plugin runs; in one process one is made
+        on first use (the Trainer itself does not need it there).
+        """
+        if self.distributed is not None:
+            return self.distributed.accelerator_for(self)
+        if "_accelerator" not in self.__dict__:
+            from accelerate import Accelerator
+
+            self.__dict__["_accelerator"] = Accelerator(cpu=self.args.device.type == "cpu")
+        return self.__dict__["_accelerator"]
 
     @property
     def model_wrapped(self) -> torch.nn.Module:
