@@ -1,14 +1,14 @@
-"""Seq2seq conformance script: a tiny T5 learns to reverse token sequences (transformers' example style).
+"""Seq2seq conformance script: a tiny T5 learns to reverse word sequences, as transformers'
+examples/pytorch/summarization/run_summarization.py is written.
 
-Written as a transformers example script is (local json data files, a tokenizer saved to and
-loaded from a directory, ``DataCollatorForSeq2Seq``, ``compute_metrics`` on generated ids, train /
-evaluate / predict / save_model, log_metrics / save_metrics / save_state); the only line that
-differs between the two runs is the import of Seq2SeqTrainer / Seq2SeqTrainingArguments, chosen by
-``impl``. tests/test_seq2seq.py runs it under both and compares every number.
+Arguments parsed with ``HfArgumentParser`` into dataclasses next to Seq2SeqTrainingArguments, json
+lines data files, a tokenizer loaded from a local directory, ``DataCollatorForSeq2Seq``,
+``compute_metrics`` on the generated ids (exact match, token accuracy, generated length), train /
+evaluate / predict with ``num_beams`` / save_model, log_metrics / save_metrics / save_state.
+``main(argv, trainer_module)``: only the import of Seq2SeqTrainer / Seq2SeqTrainingArguments differs
+("transformers" or "trainbus"). ``write_inputs`` writes the data files and the tokenizer a test passes in.
 
-Run alone: ``python tests/conformance/seq2seq_reverse.py {hf,trainbus} OUTPUT_DIR [DROPOUT]`` (prints the results).
-The training arguments are built from keywords, not HfArgumentParser, until trainbus's
-TrainingArguments parses with it (issue #22 item 5).
+Run alone: ``python tests/conformance/seq2seq_reverse.py --output_dir out --tokenizer_name ... ``.
 """
 
 from __future__ import annotations
@@ -16,141 +16,169 @@ from __future__ import annotations
 import json
 import random
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import datasets
 import numpy as np
-import torch
+from transformers import (
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    HfArgumentParser,
+    T5Config,
+    T5ForConditionalGeneration,
+    set_seed,
+)
 
-VOCAB_WORDS = 30  # w0 .. w29, ids 3 .. 32; 0 pad, 1 eos, 2 unk
-TRAINING = {
-    "per_device_train_batch_size": 4,
-    "per_device_eval_batch_size": 4,
-    "learning_rate": 5e-3,
-    "num_train_epochs": 3,
-    "logging_steps": 1,
-    "eval_strategy": "epoch",
-    "save_strategy": "no",
-    "predict_with_generate": True,
-    "generation_max_length": 12,
-    "seed": 42,
-    "use_cpu": True,
-    "report_to": "none",
-    "disable_tqdm": True,
-}
-
-
-def build_tokenizer(directory: Path) -> Any:
-    """A word-level tokenizer that appends </s>, saved and loaded back as a script would load a hub one."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from tokenizers.processors import TemplateProcessing
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB_WORDS)}}
-    raw = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = WhitespaceSplit()
-    raw.post_processor = TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(directory)
-    return AutoTokenizer.from_pretrained(directory)
-
-
-#: examples per split: 12 validation examples make whole eval batches of 4, the 9 test examples do not
+VOCAB_WORDS = 30  # w0 .. w29 are ids 3 .. 32; 0 is <pad> (and T5's decoder start), 1 </s>, 2 <unk>
+#: examples per split: 12 validation examples fill eval batches of 4, the 9 test examples do not
 SPLITS = {"train": 48, "validation": 12, "test": 9}
 
 
-def write_data(directory: Path, seed: int = 0) -> dict[str, str]:
-    """train / validation / test json-lines files of word sequences (3 to 8 words) and their reversal."""
-    rng = random.Random(seed)
-    files = {}
-    for split, n in SPLITS.items():
-        path = directory / f"{split}.json"
-        with path.open("w") as f:
-            for _ in range(n):
-                words = [f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(rng.randint(3, 8))]
-                f.write(json.dumps({"source": " ".join(words), "target": " ".join(reversed(words))}) + "\n")
-        files[split] = str(path)
-    return files
-
-
-def main(impl: str, output_dir: Path, dropout: float = 0.0) -> dict[str, Any]:
-    """Train, evaluate and predict under ``impl`` ("hf" or "trainbus"); every number the run produced."""
-    if impl == "trainbus":
+def seq2seq_implementation(name: str) -> tuple[type, type]:
+    """``(Seq2SeqTrainer, Seq2SeqTrainingArguments)`` of ``name``: the one import a port changes."""
+    if name == "transformers":
+        from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+    elif name == "trainbus":
         from trainbus.plugins import Seq2SeqTrainer, Seq2SeqTrainingArguments
     else:
-        from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
-    from datasets import load_dataset
-    from transformers import DataCollatorForSeq2Seq, T5Config, T5ForConditionalGeneration, set_seed
+        raise ValueError(f"trainer_module must be 'transformers' or 'trainbus', got {name!r}")
+    return Seq2SeqTrainer, Seq2SeqTrainingArguments
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    work = output_dir / "inputs"
-    work.mkdir(exist_ok=True)
-    training_args = Seq2SeqTrainingArguments(output_dir=str(output_dir / "run"), **TRAINING)
+
+@dataclass
+class ModelArguments:
+    tokenizer_name: str = field(metadata={"help": "Local directory of the tokenizer"})
+    d_model: int = field(default=32)
+    num_layers: int = field(default=2)
+    dropout: float = field(default=0.0, metadata={"help": "T5's dropout_rate"})
+    cache_dir: str | None = field(default=None)
+
+
+@dataclass
+class DataTrainingArguments:
+    train_file: str = field(metadata={"help": "json lines with source and target"})
+    validation_file: str = field(metadata={"help": "json lines with source and target"})
+    test_file: str | None = field(default=None)
+    max_source_length: int = field(default=16)
+    max_target_length: int = field(default=16)
+    num_beams: int | None = field(default=None, metadata={"help": "num_beams for predict's generate"})
+    predict_max_length: int | None = field(default=None, metadata={"help": "max_length for predict's generate"})
+
+
+def main(argv: list[str] | None = None, trainer_module: str = "transformers") -> dict[str, Any]:
+    Seq2SeqTrainer, Seq2SeqTrainingArguments = seq2seq_implementation(trainer_module)
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, Seq2SeqTrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+
     set_seed(training_args.seed)
-    tokenizer = build_tokenizer(work / "tokenizer")
-    raw = load_dataset("json", data_files=write_data(work), cache_dir=str(work / "cache"))
+    data_files = {"train": data_args.train_file, "validation": data_args.validation_file}
+    if data_args.test_file is not None:
+        data_files["test"] = data_args.test_file
+    raw_datasets = datasets.load_dataset("json", data_files=data_files, cache_dir=model_args.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name, cache_dir=model_args.cache_dir)
     config = T5Config(
-        vocab_size=40, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=2, dropout_rate=dropout,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        vocab_size=len(tokenizer) + 7, d_model=model_args.d_model, d_kv=8, d_ff=37, num_layers=model_args.num_layers,
+        num_heads=2, dropout_rate=model_args.dropout, decoder_start_token_id=tokenizer.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     model = T5ForConditionalGeneration(config)
 
-    def preprocess(examples: dict[str, list[str]]) -> Any:
-        return tokenizer(examples["source"], text_target=examples["target"], max_length=16, truncation=True)
+    def preprocess_function(examples: dict[str, list[str]]) -> Any:
+        model_inputs = tokenizer(examples["source"], max_length=data_args.max_source_length, truncation=True)
+        labels = tokenizer(text_target=examples["target"], max_length=data_args.max_target_length, truncation=True)
+        model_inputs["labels"] = labels["input_ids"]
+        return model_inputs
 
-    columns = raw["train"].column_names
-    datasets = {split: raw[split].map(preprocess, batched=True, remove_columns=columns) for split in raw}
-    collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+    column_names = raw_datasets["train"].column_names
+    with training_args.main_process_first(desc="dataset map pre-processing"):
+        processed = raw_datasets.map(
+            preprocess_function, batched=True, remove_columns=column_names, desc="Running tokenizer on dataset"
+        )
+    train_dataset, eval_dataset = processed["train"], processed["validation"]
+    predict_dataset = processed.get("test", None)
+    data_collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
 
     def compute_metrics(eval_preds: Any) -> dict[str, float]:
         preds, labels = eval_preds
         preds = preds[0] if isinstance(preds, tuple) else preds
         preds = np.where(preds != -100, preds, tokenizer.pad_token_id)
         labels = np.where(labels != -100, labels, tokenizer.pad_token_id)
-        decoded_preds = tokenizer.batch_decode(preds, skip_special_tokens=True)
-        decoded_labels = tokenizer.batch_decode(labels, skip_special_tokens=True)
-        exact = [p.split() == t.split() for p, t in zip(decoded_preds, decoded_labels, strict=True)]
-        pairs = zip(decoded_preds, decoded_labels, strict=True)
-        hits = sum(a == b for p, t in pairs for a, b in zip(p.split(), t.split(), strict=False))
-        total = sum(len(t.split()) for t in decoded_labels)
-        lengths = [int(np.count_nonzero(row != tokenizer.pad_token_id)) for row in preds]
-        return {"exact_match": float(np.mean(exact)), "token_accuracy": hits / total,
-                "gen_len": float(np.mean(lengths))}  # fmt: skip
+        decoded_preds = [p.split() for p in tokenizer.batch_decode(preds, skip_special_tokens=True)]
+        decoded_labels = [t.split() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
+        pairs = list(zip(decoded_preds, decoded_labels, strict=True))
+        hits = sum(a == b for p, t in pairs for a, b in zip(p, t, strict=False))
+        return {
+            "exact_match": float(np.mean([p == t for p, t in pairs])),
+            "token_accuracy": hits / sum(len(t) for t in decoded_labels),
+            "gen_len": float(np.mean([np.count_nonzero(row != tokenizer.pad_token_id) for row in preds])),
+        }
 
     trainer = Seq2SeqTrainer(
         model=model,
         args=training_args,
-        train_dataset=datasets["train"],
-        eval_dataset=datasets["validation"],
+        train_dataset=train_dataset if training_args.do_train else None,
+        eval_dataset=eval_dataset if training_args.do_eval else None,
         processing_class=tokenizer,
-        data_collator=collator,
-        compute_metrics=compute_metrics,
+        data_collator=data_collator,
+        compute_metrics=compute_metrics if training_args.predict_with_generate else None,
     )
-    train_result = trainer.train()
-    trainer.save_model()
-    trainer.log_metrics("train", train_result.metrics)
-    trainer.save_metrics("train", train_result.metrics)
-    trainer.save_state()
-    eval_metrics = trainer.evaluate(metric_key_prefix="eval")
-    trainer.log_metrics("eval", eval_metrics)
-    trainer.save_metrics("eval", eval_metrics)
-    beam = trainer.predict(datasets["test"], metric_key_prefix="predict", max_length=10, num_beams=2)
-    trainer.save_metrics("predict", beam.metrics)
-    greedy = trainer.predict(datasets["test"])
-    return {
-        "log_history": trainer.state.log_history,
-        "eval": eval_metrics,
-        "predict_beam": {"predictions": beam.predictions.tolist(), "label_ids": beam.label_ids.tolist(),
-                         "metrics": beam.metrics},
-        "predict_greedy": {"predictions": greedy.predictions.tolist(), "label_ids": greedy.label_ids.tolist(),
-                           "metrics": greedy.metrics},
-        "weights": {k: v.detach().double().sum().item() for k, v in trainer.model.state_dict().items()},
-    }  # fmt: skip
+    results: dict[str, Any] = {"trainer": trainer}
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        metrics = train_result.metrics
+        trainer.save_model()
+        metrics["train_samples"] = len(train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        results["train"] = metrics
+    if training_args.do_eval:
+        metrics = trainer.evaluate(metric_key_prefix="eval")
+        metrics["eval_samples"] = len(eval_dataset)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        results["eval"] = metrics
+    if training_args.do_predict and predict_dataset is not None:
+        predicted = trainer.predict(
+            predict_dataset, metric_key_prefix="predict", max_length=data_args.predict_max_length,
+            num_beams=data_args.num_beams,
+        )  # fmt: skip
+        trainer.log_metrics("predict", predicted.metrics)
+        trainer.save_metrics("predict", predicted.metrics)
+        results["predict"] = predicted
+        results["predict_default"] = trainer.predict(predict_dataset)  # the arguments' generation settings
+    return results
+
+
+def write_inputs(directory: Path, seed: int = 0) -> dict[str, str]:
+    """The tokenizer (a word-level one that appends </s>) and json lines files of 3 to 8 words and their
+    reversal: ``--tokenizer_name`` and ``--{split}_file`` paths for ``main``."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB_WORDS)}}
+    raw = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = WhitespaceSplit()
+    raw.post_processor = TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.save_pretrained(directory / "tokenizer")
+    paths = {"tokenizer_name": str(directory / "tokenizer")}
+    rng = random.Random(seed)
+    for split, n in SPLITS.items():
+        path = directory / f"{split}.json"
+        with path.open("w") as f:
+            for _ in range(n):
+                words = [f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(rng.randint(3, 8))]
+                f.write(json.dumps({"source": " ".join(words), "target": " ".join(reversed(words))}) + "\n")
+        paths[f"{split}_file"] = str(path)
+    return paths
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    dropout = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
-    print(json.dumps(main(sys.argv[1], Path(sys.argv[2]), dropout), indent=1, default=str))
+    main(sys.argv[1:], "transformers")
