@@ -5,6 +5,7 @@ Public API::
     from trainbus.engine import Engine, Event, Plugin, Priority, State, Control
 """
 
+from .assembly import UnknownPluginError
 from .bus import EventBus, Handle, Priority
 from .errors import ConfigError, HandlerError, TrainbusError
 from .events import (
@@ -18,6 +19,7 @@ from .events import (
     EvalStartEvent,
     Event,
     EventType,
+    ExceptionEvent,
     LogEvent,
     LossEvent,
     OptimizerStepEvent,
@@ -52,6 +54,7 @@ __all__ = [
     "EventBus",
     "EventFilter",
     "EventType",
+    "ExceptionEvent",
     "FilteredEvent",
     "Handle",
     "HandlerError",
@@ -71,5 +74,6 @@ __all__ = [
     "TrainEndEvent",
     "TrainStartEvent",
     "TrainbusError",
+    "UnknownPluginError",
     "data_length",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -16,10 +16,17 @@ from trainbus.hooks import Hooks
 from trainbus.hooks import to_device as default_to_device
 
 from .errors import ConfigError, suggest
-from .plugin import Plugin
+from .plugin import Plugin, check_state
 from .state import State
 
 HookWrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+PluginT = TypeVar("PluginT", bound=Plugin)
+D = TypeVar("D")
+_REQUIRED: Any = object()  # get_plugin's default when none is given: an unknown name raises
+
+
+class UnknownPluginError(ConfigError, LookupError):
+    """``get_plugin(name)`` found no plugin of that name; the message suggests the close ones."""
 
 
 class Assembly:
@@ -69,28 +76,62 @@ class Assembly:
         self._move_batches = hooks.to_device is not default_to_device or self._device.type != "cpu"
 
     # -- plugins -------------------------------------------------------------------------------
-    def add_plugin(self, plugin: Plugin) -> Plugin:
-        """Attach ``plugin``; its name must be unique in this engine."""
+    def add_plugin(self, plugin: PluginT) -> PluginT:
+        """Attach ``plugin``; its name must be unique in this engine.
+
+        The plugin's contract is checked now rather than at the first checkpoint, hours later: its
+        ``state_dict()`` must be something a checkpoint can hold (``check_state``: the checkpoint
+        codec's rules). A plugin that fails the check is detached again before the error is raised.
+        """
         if not isinstance(plugin, Plugin):
             raise ConfigError(f"expected a trainbus Plugin, got {type(plugin).__name__}")
         if any(p.name == plugin.name for p in self.plugins):
             raise ConfigError(f"a plugin named {plugin.name!r} is already attached; give the new one another name")
         plugin.attach(self)  # type: ignore[arg-type]  # only Engine mixes this in
+        try:
+            check_state(plugin.state_dict(), f"plugins/{plugin.name}")
+        except Exception as exc:
+            plugin.detach(self)  # type: ignore[arg-type]
+            raise ConfigError(
+                f"plugin {plugin.name!r} breaks the plugin contract, found when it was attached rather than at "
+                f"the first checkpoint: {exc}"
+            ) from exc
         self.plugins.append(plugin)
         return plugin
 
-    def get_plugin(self, which: type[Plugin] | str) -> Plugin | None:
-        """The first attached plugin of that class (or subclass) or name, else None."""
+    @overload
+    def get_plugin(self, which: type[PluginT]) -> PluginT | None: ...
+    @overload
+    def get_plugin(self, which: str) -> Plugin: ...
+    @overload
+    def get_plugin(self, which: str, default: D) -> Plugin | D: ...
+    def get_plugin(self, which: type[Plugin] | str, default: Any = _REQUIRED) -> Any:
+        """The first attached plugin of that class (or subclass), or the plugin of that name.
+
+        A class that no attached plugin is an instance of gives None (asking whether an optional
+        feature is there). A name is a key the caller spelled: an unknown one raises
+        ``UnknownPluginError`` suggesting the close names, unless a ``default`` is given
+        (``get_plugin("MemoryMetrics", None)`` asks whether that plugin is attached).
+        """
+        if isinstance(which, type):
+            return next((p for p in self.plugins if isinstance(p, which)), None)
         for plugin in self.plugins:
-            if (isinstance(which, str) and plugin.name == which) or (
-                isinstance(which, type) and isinstance(plugin, which)
-            ):
+            if plugin.name == which:
                 return plugin
-        return None
+        if default is not _REQUIRED:
+            return default
+        attached = [p.name for p in self.plugins]
+        raise UnknownPluginError(
+            f"no plugin named {which!r} is attached{suggest(str(which), attached)}; attached plugins: {attached} "
+            "(pass a default, get_plugin(name, None), to ask whether one is attached)"
+        )
 
     def pop_plugin(self, which: Plugin | type[Plugin] | str) -> Plugin | None:
         """Detach and return a plugin given as instance, class or name; None when absent."""
-        plugin = which if isinstance(which, Plugin) else self.get_plugin(which)
+        if isinstance(which, Plugin):
+            plugin: Plugin | None = which
+        else:
+            plugin = self.get_plugin(which, None) if isinstance(which, str) else self.get_plugin(which)
         if plugin is None or plugin not in self.plugins:
             return None
         plugin.detach(self)  # type: ignore[arg-type]
@@ -106,12 +147,10 @@ class Assembly:
         return {"state": self.state.to_dict(), "plugins": {p.name: p.state_dict() for p in self.plugins}}
 
     def load_state_dict(self, data: Mapping[str, Any]) -> None:
-        missing = [name for name in data.get("plugins", {}) if self.get_plugin(name) is None]
+        missing = [name for name in data.get("plugins", {}) if self.get_plugin(name, None) is None]
         if missing:
             attached = [p.name for p in self.plugins]
             raise ConfigError(f"state has plugins {missing} that this engine lacks; attached plugins: {attached}")
         self.state = State.from_dict(dict(data["state"]))
         for name, plugin_state in data.get("plugins", {}).items():
-            plugin = self.get_plugin(name)
-            assert plugin is not None
-            plugin.load_state_dict(plugin_state)
+            self.get_plugin(name).load_state_dict(plugin_state)

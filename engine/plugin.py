@@ -7,10 +7,13 @@ the engine calls ``detach`` on removal, which undoes exactly those registrations
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .bus import Handle, Priority
+from .errors import ConfigError
 from .events import EventType, P
 from .filters import FilteredEvent
 
@@ -98,3 +101,41 @@ class Plugin:
         token = engine.wrap_hook(hook, wrapper)
         self.__dict__.setdefault("_plugin_wraps", []).append(token)
         return token
+
+
+#: what a checkpoint holds (plugins/checkpoints/codec.py writes these without pickle)
+STATE_VALUES = "tensors, numbers, strings, None, lists, tuples, dicts, numpy arrays and torch dtypes"
+_LEAVES = (bool, int, float, str, type(None), torch.Tensor, torch.dtype)
+
+
+def check_state(value: Any, path: str = "") -> None:
+    """Raise ConfigError naming the path of the first value a checkpoint cannot hold.
+
+    The rules are the checkpoint codec's (``trainbus.plugins.checkpoints.codec.split_tensors``; a
+    test keeps the two in agreement): the engine imports only torch and the standard library, so it
+    cannot call the codec itself, and this walk costs no copy of a tensor. Numpy values are
+    recognised without importing numpy: booleans, integers and floats are allowed, as in the codec.
+    """
+    if isinstance(value, _LEAVES):
+        return
+    if isinstance(value, Mapping):
+        for i, (key, item) in enumerate(value.items()):
+            if not isinstance(key, str):
+                check_state(key, f"{path}/#{i}")
+            check_state(item, f"{path}/{key}")
+        return
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_state(item, f"{path}/{i}")
+        return
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    if type(value).__module__ == "numpy" and isinstance(kind, str):
+        if kind in "biuf":
+            return
+        raise ConfigError(
+            f"cannot checkpoint a numpy array of dtype {value.dtype} at {path!r}; allowed: {STATE_VALUES}"
+        )
+    raise ConfigError(
+        f"cannot checkpoint a value of type {type(value).__name__} at {path!r}: only {STATE_VALUES} are saved "
+        "(no pickle)"
+    )

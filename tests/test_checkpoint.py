@@ -129,9 +129,14 @@ def test_loading_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_unsaveable_plugin_state_is_a_clear_error(tmp_path: Path) -> None:
-    class Bad(Plugin):
+    class Bad(Plugin):  # a state that goes bad after attach (add_plugin checks it then): the save names it
+        broken = False
+
+        def attach(self, engine: Engine) -> None:
+            self.on(engine, Event.TRAIN_START, lambda ev: setattr(self, "broken", True))
+
         def state_dict(self) -> dict[str, Any]:
-            return {"fn": {"inner": object()}}
+            return {"fn": {"inner": object()}} if self.broken else {}
 
     engine = make_engine(tmp_path, max_steps=1)
     engine.add_plugin(Bad())

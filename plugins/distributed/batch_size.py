@@ -74,7 +74,7 @@ class _Start:
         """
         stuck = []
         for name, saved in self.plugins.items():
-            plugin = self.engine.get_plugin(name)
+            plugin = self.engine.get_plugin(name, None)
             if plugin is None:  # removed since: nothing to restart
                 continue
             plugin.load_state_dict(copy.deepcopy(saved))

@@ -445,6 +445,6 @@ def _trial_trainer(
     run = cls(**kwargs)
     run.model_init = model_init
     for plugin in own_plugins:
-        if run.get_plugin(plugin.name) is None:  # not one the arguments build: the user's own
+        if run.get_plugin(plugin.name, None) is None:  # not one the arguments build: the user's own
             run.add_plugin(_fresh(plugin, trainer, run))
     return run

@@ -63,6 +63,7 @@ class Trainer(TrainerUtilities, Engine):
 
     Args mirror ``transformers.Trainer``. ``callbacks`` may mix HF-style callbacks (instances or
     classes) and trainbus plugins. ``optimizers=(optimizer, scheduler)`` replaces the built ones.
+    ``plugins`` are trainbus plugins attached after the ones built from ``args`` (``add_plugin`` each).
 
     Example:
         >>> import torch
@@ -102,6 +103,7 @@ class Trainer(TrainerUtilities, Engine):
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
         optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
         preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+        plugins: list[Plugin] | None = None,
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
         if not isinstance(self.args, TrainingArguments):
@@ -177,8 +179,10 @@ class Trainer(TrainerUtilities, Engine):
         for cb in callbacks or []:
             if _is_plugin(cb):
                 self.add_plugin(cb() if isinstance(cb, type) else cb)
+        for plugin in plugins or []:
+            self.add_plugin(plugin)
         # a trainbus plugin among the callbacks may add eval metrics: then only the first evaluation knows
-        self.metric_plugins_added = any(_is_plugin(cb) for cb in callbacks or [])
+        self.metric_plugins_added = any(_is_plugin(cb) for cb in callbacks or []) or bool(plugins)
         if args.metric_for_best_model is not None and self.eval_data is not None:
             check_metric_for_best_model(self, args.metric_for_best_model)
         self.add_plugin(self.callback_handler)
@@ -519,7 +523,7 @@ class Trainer(TrainerUtilities, Engine):
         state = self.fit()
         logger = self.get_plugin(TrainLogger)
         metrics = dict(getattr(logger, "train_metrics", {}))
-        memory = self.get_plugin("MemoryMetrics")  # skip_memory_metrics=False: HF returns the deltas too
+        memory = self.get_plugin("MemoryMetrics", None)  # skip_memory_metrics=False: HF returns the deltas too
         metrics.update(getattr(memory, "metrics", {}).get("train", {}))
         if state.epoch is not None:
             metrics["epoch"] = state.epoch  # HF's log() adds it to the very dict TrainOutput returns
