@@ -175,7 +175,7 @@ class Seq2SeqTrainer(Trainer):
         )  # fmt: skip
         # HF's priority: args.generation_config, else the model's own, else generate's defaults
         if args.generation_config is not None:
-            self.model.generation_config = self.load_generation_config(args.generation_config)
+            self.model.generation_config = self.load_generation_config(args.generation_config)  # type: ignore[assignment]
 
     @staticmethod
     def load_generation_config(gen_config_arg: str | Path | GenerationConfig) -> GenerationConfig:
