@@ -21,7 +21,7 @@ import torch
 
 from trainbus.engine import ConfigError, Engine, Event, LogEvent, Plugin, Priority, State
 from trainbus.hooks import forward as default_forward
-from trainbus.hooks import get_labels, loss_from_outputs
+from trainbus.hooks import get_labels
 
 from ..averaging.ema import EMA
 from ..checkpoints import checkpoint as ckpt
@@ -55,6 +55,8 @@ from .loss_protocol import accepts_loss_kwargs, honours_num_items, item_counter
 from .model_card import write_model_card
 from .search import hyperparameter_search as _hyperparameter_search
 from .search import takes_trial
+from .trainer_checks import check_model, loss_from_outputs
+from .trainer_checks import compute_loss as trainer_compute_loss
 from .utilities import TrainerUtilities
 
 
@@ -124,6 +126,7 @@ class Trainer(TrainerUtilities, Engine):
                 raise ConfigError("Trainer needs a model (or model_init)")
             model = model_init(None) if takes_trial(model_init) else model_init()  # HF: a 1-argument one gets the trial
         self.model_init = model_init
+        check_model(model)
         model = model.to(args.device)
         if getattr(model, "config", None) is not None:
             model.config.use_cache = args.use_cache  # as HF 5: no KV cache in training / evaluation outputs
@@ -214,6 +217,7 @@ class Trainer(TrainerUtilities, Engine):
 
     def _install_step_hooks(self) -> None:
         cls = type(self)
+        self.set_hook("compute_loss", trainer_compute_loss)  # its no-loss error speaks to a Trainer user
         if cls.training_step is not Trainer.training_step:
             self.set_hook("forward", self._forward_training_step)
             self.set_hook("compute_loss", lambda outputs, batch: outputs.loss)
@@ -304,7 +308,7 @@ class Trainer(TrainerUtilities, Engine):
             inputs = {**inputs, "num_items_in_batch": num_items_in_batch}  # HF: the model normalises by it
         if self.compute_loss_func is None:
             outputs = default_forward(model, inputs)
-            loss = loss_from_outputs(outputs)
+            loss = loss_from_outputs(outputs, inputs)
         else:
             labels = get_labels(inputs, tuple(self.label_names))
             if isinstance(inputs, Mapping):
