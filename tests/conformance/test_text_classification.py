@@ -6,7 +6,18 @@ from pathlib import Path
 
 import pytest
 import run_text_classification
-from harness import assert_same, check_losses_logged, common_argv, run_both, sentences, write_csv, write_tokenizer
+from harness import (
+    IMPLEMENTATIONS,
+    assert_same,
+    check_losses_logged,
+    common_argv,
+    differences,
+    run_both,
+    run_script,
+    sentences,
+    write_csv,
+    write_tokenizer,
+)
 
 BERT = "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=37,max_position_embeddings=64"
 
@@ -34,3 +45,21 @@ def test_text_classification_matches_transformers(tmp_path: Path, dropout: float
     hf, tb = run_both(run_text_classification.main, argv_for(tmp_path, dropout))
     check_losses_logged(hf)
     assert_same(hf, tb)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_resume_matches_transformers(tmp_path: Path, dropout: float) -> None:
+    """Resumed mid-epoch from checkpoint-6 in a fresh output_dir: the same run under both, and the same as
+    the uninterrupted one (trainbus: bit for bit on CPU)."""
+    argv = argv_for(tmp_path, dropout, save_strategy="steps", save_steps=6, save_total_limit=3)
+    runs = {}
+    for name in IMPLEMENTATIONS:
+        full = run_script(run_text_classification.main, argv(name), name)
+        checkpoint = tmp_path / name / "checkpoint-6"  # mid-epoch: the resume skips 6 batches
+        resumed_argv = [*argv(f"{name}-resumed"), "--resume_from_checkpoint", str(checkpoint)]
+        runs[name] = full, run_script(run_text_classification.main, resumed_argv, name)
+    (_, hf), (tb_full, tb) = runs["transformers"], runs["trainbus"]
+    check_losses_logged(hf)
+    found = differences(hf, tb)
+    found += [f"trainbus resumed vs uninterrupted: {d}" for d in differences(tb_full, tb, files=False)]
+    assert not found, f"{len(found)} differences:\n" + "\n".join(found)
