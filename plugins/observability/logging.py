@@ -5,6 +5,13 @@ logging point the window's losses, the grad norm and any pending token count are
 together, so a run with L logging windows makes L host reads for logging and none per step. NaN /
 Inf losses are then filtered on the host exactly as HF's ``logging_nan_inf_filter`` does (a bad
 micro-batch loss adds the window's running mean instead).
+
+A checkpoint can fall inside a logging window. At SAVE (before Checkpointing writes) every rank reads
+the window so far in one transfer (one all-reduce across processes, as at a logging point) and holds
+the values; ``state_dict`` carries them with the sum of the windows logged so far and the step the
+run started at, so a resumed run logs the same losses, bit for bit, and ``train_loss`` is the mean over
+the whole run (transformers' covers only the resumed part). A save costs one more host read when its
+window is not empty; steps still make none.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ if TYPE_CHECKING:
         EvalEndEvent,
         LogEvent,
         LossEvent,
+        SaveEvent,
         TrainEndEvent,
         TrainStartEvent,
     )
@@ -72,8 +80,11 @@ class TrainLogger(Plugin):
         self._lr: Any = None
         self._pending_tokens: Any = 0  # int, or a device tensor for non_padding counts
         self._last_logged = 0
-        self._total_loss = 0.0
-        self._start_step = 0
+        self._total_loss = 0.0  # the run's logged window sums (train_loss = this / the run's steps)
+        self._run_start = 0  # the step the run started at (kept across a resume)
+        self._held: list[tuple[float, int]] = []  # the window's losses read at a save, with their steps
+        self._resumed = False  # load_state_dict ran: the next TRAIN_START continues the loaded run
+        self._start_step = 0  # this fit()'s first step (for steps per second)
         self._start_time = 0.0
         self._samples = 0
 
@@ -83,6 +94,8 @@ class TrainLogger(Plugin):
         self.on(engine, Event.LOG, self.fill)
         self.on(engine, Event.LOG, self.record, priority=HISTORY_PRIORITY)
         self.on(engine, Event.TRAIN_END, self.train_end)
+        # before Checkpointing (CONSUMER) writes the plugins' states
+        self.on(engine, Event.SAVE, self.hold_window, priority=Priority.PRODUCER)
         if self.log_eval_metrics:
             self.on(engine, Event.EVAL_END, self.eval_end)
 
@@ -90,8 +103,12 @@ class TrainLogger(Plugin):
     def train_start(self, ev: TrainStartEvent) -> None:
         engine = ev.engine
         self._window = []
-        self._last_logged = self._start_step = engine.state.global_step
-        self._total_loss = 0.0
+        self._start_step = engine.state.global_step
+        if not self._resumed:  # a fresh fit(); a resumed one keeps the loaded window and totals
+            self._last_logged = self._run_start = engine.state.global_step
+            self._total_loss = 0.0
+            self._held = []
+        self._resumed = False
         self._samples = 0
         self._lr = None
         self._start_time = time.perf_counter()
@@ -122,19 +139,21 @@ class TrainLogger(Plugin):
             self._pending_tokens += int(batch[self.input_name].numel())  # a shape: no sync
 
     # -- logging points: one host read ------------------------------------------------------------
-    def _read(self, engine: Engine) -> dict[str, Any]:
-        """Read the window's losses, grad norm, lr and tokens with a single device-to-host transfer."""
+    def _read(self, engine: Engine, *, extras_too: bool = True) -> tuple[list[tuple[float, int]], dict[str, Any]]:
+        """Read the window's losses (with their steps), grad norm, lr and tokens with a single device-to-host
+        transfer; the tokens go into ``state.num_input_tokens_seen``. ``extras_too=False``: losses and tokens."""
         assert self._window is not None
         window, self._window = self._window, []
         # the grad norm of the latest step: step_outputs keeps it until the next STEP_START
-        grad_norm = engine.step_outputs.get("grad_norm")
+        grad_norm = engine.step_outputs.get("grad_norm") if extras_too else None
+        lr = self._lr if extras_too else None
         extras: list[tuple[str, torch.Tensor]] = []
         tokens = self._pending_tokens
         if world_size() > 1 and not isinstance(tokens, torch.Tensor) and self.tokens != "no":
             tokens = torch.tensor(float(tokens))  # summed over ranks with the losses
         for name, value in (
             ("grad_norm", grad_norm),
-            ("learning_rate", self._lr),
+            ("learning_rate", lr),
             ("tokens", tokens),
         ):
             if isinstance(value, torch.Tensor):
@@ -145,17 +164,61 @@ class TrainLogger(Plugin):
             device = tensors[0].device
             names = ["loss"] * len(window) + [name for name, _ in extras]
             values = self._across_processes(torch.stack([t.to(device, torch.float64) for t in tensors]), names)
-        read: dict[str, Any] = {"loss": self._filtered_sum(values[: len(window)], [step for _, step in window])}
-        read.update(zip([name for name, _ in extras], values[len(window) :], strict=True))
+        losses = list(zip(values[: len(window)], [step for _, step in window], strict=True))
+        read: dict[str, Any] = dict(zip([name for name, _ in extras], values[len(window) :], strict=True))
         for name, value in (
             ("grad_norm", grad_norm),
-            ("learning_rate", self._lr),
+            ("learning_rate", lr),
             ("tokens", tokens),
         ):
             if value is not None and not isinstance(value, torch.Tensor):
                 read[name] = value
         self._flush_tokens(engine, read.pop("tokens", 0))
+        return losses, read
+
+    def _read_window(self, engine: Engine) -> dict[str, Any]:
+        """The logging point's read: the window's filtered loss sum (held values first) and the extras."""
+        losses, read = self._read(engine)
+        losses, self._held = self._held + losses, []
+        read["loss"] = self._filtered_sum([loss for loss, _ in losses], [step for _, step in losses])
         return read
+
+    def hold_window(self, ev: SaveEvent) -> None:
+        """At a save, read the window so far and hold its values, so ``state_dict`` carries them.
+
+        Every rank runs it at the same SAVE, so the one all-reduce of a multi-process read matches up;
+        the values are the ones the logging point would read (each loss averaged over ranks), and the
+        logging point sums them in the same order: the logged loss does not change.
+        """
+        if self._window:
+            losses, _ = self._read(ev.engine, extras_too=False)
+            self._held.extend(losses)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The open window's losses, the logged sums and the run's first step (JSON: plain floats and ints).
+
+        A window not yet held (a save outside a SAVE event) is read here, locally: exact in one
+        process; under several processes only the SAVE path averages the ranks' losses.
+        """
+        pending = [(float(loss), step) for loss, step in self._window or []]
+        tokens = self._pending_tokens
+        return {
+            "held": [[loss, step] for loss, step in self._held + pending],
+            "last_logged": self._last_logged,
+            "total_loss": self._total_loss,
+            "run_start": self._run_start,
+            "pending_tokens": int(tokens) if isinstance(tokens, int) else int(tokens.item()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the checkpointed run: the next TRAIN_START keeps these instead of starting afresh."""
+        self._held = [(float(loss), int(step)) for loss, step in state.get("held", [])]
+        self._last_logged = int(state.get("last_logged", 0))
+        self._total_loss = float(state.get("total_loss", 0.0))
+        self._run_start = int(state.get("run_start", 0))
+        self._pending_tokens = int(state.get("pending_tokens", 0))
+        self._window = []
+        self._resumed = True
 
     def _across_processes(self, local: torch.Tensor, names: list[str]) -> list[float]:
         """The values to log, read in one transfer. Across processes, in one all-reduce: each loss (a
@@ -192,7 +255,7 @@ class TrainLogger(Plugin):
         engine, logs = ev.engine, ev.logs
         state = engine.state
         if ev.window and self._window is not None and state.global_step > self._last_logged:
-            read = self._read(engine)
+            read = self._read_window(engine)
             self._total_loss += read["loss"]
             logs["loss"] = read["loss"] / (state.global_step - self._last_logged)
             if read.get("grad_norm") is not None:
@@ -218,7 +281,7 @@ class TrainLogger(Plugin):
         state = engine.state
         if self._window is None:
             return
-        read = self._read(engine)
+        read = self._read_window(engine)
         self._total_loss += read["loss"]
         steps = state.global_step - self._start_step
         runtime = time.perf_counter() - self._start_time
@@ -227,7 +290,7 @@ class TrainLogger(Plugin):
             "train_samples_per_second": round(self._samples / runtime, 3) if runtime > 0 else 0.0,
             "train_steps_per_second": round(steps / runtime, 3) if runtime > 0 else 0.0,
             "total_flos": float(state.total_flos),
-            "train_loss": self._total_loss / max(steps, 0.001),
+            "train_loss": self._total_loss / max(state.global_step - self._run_start, 0.001),  # the whole run
         }
         self._window = None
         self.train_metrics = dict(metrics)
