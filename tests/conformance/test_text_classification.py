@@ -61,5 +61,7 @@ def test_resume_matches_transformers(tmp_path: Path, dropout: float) -> None:
     (_, hf), (tb_full, tb) = runs["transformers"], runs["trainbus"]
     check_losses_logged(hf)
     found = differences(hf, tb)
-    found += [f"trainbus resumed vs uninterrupted: {d}" for d in differences(tb_full, tb, files=False)]
+    # train_loss is the mean over this train() call's steps in transformers, so it differs after a resume
+    continued = differences(tb_full, tb, ignore=["train_loss"], files=False)
+    found += [f"trainbus resumed (as 'trainbus') vs uninterrupted (as 'transformers'): {d}" for d in continued]
     assert not found, f"{len(found)} differences:\n" + "\n".join(found)
