@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -82,3 +83,14 @@ def test_old_checkpoints_stop_the_demo_unless_overwritten(tmp_path: Path, capsys
 
     _clear_old_checkpoints(str(tmp_path), overwrite=True)
     assert not (tmp_path / "checkpoint-7").exists() and (tmp_path / "notes.txt").read_text() == "kept"
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    expected = f"trainbus {importlib.metadata.version('trainbus')}"
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == expected
+    result = subprocess.run(
+        [sys.executable, "-m", "trainbus.plugins.cli", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == expected, result.stderr

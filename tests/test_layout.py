@@ -160,3 +160,18 @@ def test_no_layer_imports_one_above_it(layer: str) -> None:
         if reaches_above(layer, target)
     ]
     assert not offenders
+
+
+def test_the_top_level_package_imports_trainbus_lazily_only() -> None:
+    """``trainbus/__init__.py`` (the folder trainbus_root) resolves names on first access: at module level
+    it may import trainbus modules only for type checkers, so ``import trainbus.engine`` stays the engine."""
+    tree = ast.parse((ROOT / "trainbus_root" / "__init__.py").read_text())
+    eager = [
+        ast.unparse(node)
+        for node in tree.body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and any(n.startswith("trainbus") for n in [getattr(node, "module", None) or "", *(a.name for a in node.names)])
+    ]
+    assert not eager
+    lazy = [node for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
+    assert lazy, "the public names are imported under TYPE_CHECKING for type checkers"

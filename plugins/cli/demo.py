@@ -13,6 +13,7 @@ stopping, and the JSONL / CSV log sinks; then it predicts on a held-out test spl
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import shutil
 import sys
 import time
@@ -227,9 +228,18 @@ def _clear_old_checkpoints(output_dir: str, overwrite: bool) -> None:
         shutil.rmtree(path)
 
 
+def installed_version() -> str:
+    """The installed distribution's version (``importlib.metadata``), as ``trainbus.__version__`` gives it."""
+    try:
+        return importlib.metadata.version("trainbus")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``trainbus`` argument parser (subcommands: demo, plot)."""
     parser = argparse.ArgumentParser(prog="trainbus", description="trainbus: a plugin-composed training engine.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo = commands.add_parser(
         "demo",
