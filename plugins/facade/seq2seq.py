@@ -16,6 +16,8 @@ when only that is set), and the collector pads what still differs across batches
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -199,7 +201,7 @@ class Seq2SeqTrainer(Trainer):
                     "directory holding one (trainbus reads no model ids from the Hub)"
                 )
         try:
-            config.validate(strict=True)
+            _validate_strictly(config)
         except ValueError as exc:
             raise ConfigError(f"{exc}\n\nFix these issues to train your model.") from exc
         return config
@@ -317,6 +319,18 @@ class Seq2SeqTrainer(Trainer):
         padded = torch.full((tensor.shape[0], max_length), int(pad_token_id), dtype=tensor.dtype, device=tensor.device)
         padded[:, : tensor.shape[-1]] = tensor
         return padded
+
+
+def _validate_strictly(config: Any) -> None:
+    """``GenerationConfig.validate(strict=True)`` (transformers 5); before it, a warning is the failure (4.x's rule)."""
+    if "strict" in inspect.signature(config.validate).parameters:
+        config.validate(strict=True)
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config.validate()
+    if caught:
+        raise ValueError("GenerationConfig is invalid: " + "; ".join(str(w.message) for w in caught))
 
 
 def _sharded_generation(model: torch.nn.Module) -> bool:
