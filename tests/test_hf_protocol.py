@@ -168,3 +168,23 @@ def test_batches_are_fetched_one_ahead_as_accelerate_does() -> None:
     for batch in fetch_one_ahead(batches()):
         seen.append((batch, list(made)))
     assert seen == [(0, [0, 1]), (1, [0, 1, 2]), (2, [0, 1, 2])]
+
+
+def test_save_model_writes_a_model_folder_without_pickle(tmp_path: Path) -> None:
+    import json
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+    tokenizer = local_tokenizer(tmp_path / "tok")
+    data = text_dataset(tokenizer, 8)
+    trainer = Trainer(tiny_bert(), args_for(tmp_path / "run"), train_dataset=data,
+                      data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer)  # fmt: skip
+    trainer.train()
+    out = tmp_path / "final"
+    trainer.save_model(str(out))
+    loaded = AutoModelForSequenceClassification.from_pretrained(out)
+    for (name, a), b in zip(trainer.model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert AutoTokenizer.from_pretrained(out)("good bad")["input_ids"] == tokenizer("good bad")["input_ids"]
+    assert json.loads((out / "training_args.json").read_text())["learning_rate"] == trainer.args.learning_rate
+    assert not [p.name for p in out.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]

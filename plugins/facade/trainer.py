@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from .composition import Computed as _Computed
 from .composition import TrainOutput, build_plugins, check_metric_for_best_model, set_seed
 from .loss_protocol import accepts_loss_kwargs, honours_num_items, item_counter
 from .model_card import write_model_card
+from .model_folder import align_special_tokens, write_processing_files, write_training_args
 from .search import hyperparameter_search as _hyperparameter_search
 from .search import takes_trial
 from .trainer_checks import check_model, loss_from_outputs
@@ -507,6 +509,7 @@ class Trainer(TrainerUtilities, Engine):
         return self._train(resume_from_checkpoint)
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
+        align_special_tokens(self.model, self.processing_class)
         if self.overrides("create_scheduler") or self.overrides("create_optimizer_and_scheduler"):
             self.create_optimizer_and_scheduler(num_training_steps=self._plan()[0])  # HF: a subclass's runs
         else:
@@ -531,6 +534,8 @@ class Trainer(TrainerUtilities, Engine):
         metrics.update(getattr(memory, "metrics", {}).get("train", {}))
         if state.epoch is not None:
             metrics["epoch"] = state.epoch  # HF's log() adds it to the very dict TrainOutput returns
+        # HF's progress / printer callback pops total_flos from that dict: log_history keeps it, train() does not
+        metrics.pop("total_flos", None)
         return TrainOutput(state.global_step, float(metrics.get("train_loss", 0.0)), metrics)
 
     def evaluate(  # type: ignore[override]
@@ -588,9 +593,9 @@ class Trainer(TrainerUtilities, Engine):
                 with averaged:
                     ckpt.save_model(self.model, output_dir or self.args.output_dir)
             if self.args.should_save:
-                processing_class = self.processing_class
-                if processing_class is not None and callable(getattr(processing_class, "save_pretrained", None)):
-                    processing_class.save_pretrained(output_dir or self.args.output_dir)
+                directory = Path(output_dir or self.args.output_dir)
+                write_processing_files(self.processing_class, directory)
+                write_training_args(self.args, directory)  # HF's training_args.bin, as JSON
                 write_model_card(self, output_dir)  # README.md next to the model (after peft's, which it replaces)
         finally:
             barrier()  # every rank returns once the model is on disk

@@ -1,0 +1,72 @@
+"""The files that make a directory a model folder: what ``AutoModelFor...from_pretrained`` and scripts read.
+
+transformers' Trainer makes every checkpoint and save_model's output a model folder: the weights,
+``config.json``, ``generation_config.json`` for a model that generates, the processing class's
+files (tokenizer, image processor) and the training arguments. trainbus writes the same folder,
+without pickle: the training arguments are ``training_args.json``, not ``training_args.bin``.
+The checkpoint's own weights file keeps the module's parameter names, which ``from_pretrained``
+loads as they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .loss_protocol import unwrap_model
+
+TRAINING_ARGS = "training_args.json"
+
+
+def write_config_files(model: Any, directory: Path) -> None:
+    """``config.json`` (and ``generation_config.json`` when the model generates) of a transformers model."""
+    model = unwrap_model(model)
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "save_pretrained", None)):
+        return
+    config.architectures = [type(model).__name__]  # as save_pretrained records it
+    config.save_pretrained(directory)
+    can_generate = getattr(model, "can_generate", None)
+    generation_config = getattr(model, "generation_config", None)
+    if callable(can_generate) and can_generate() and generation_config is not None:
+        generation_config.save_pretrained(directory)
+
+
+def write_processing_files(processing_class: Any, directory: Path) -> None:
+    """The tokenizer's / image processor's files (its ``save_pretrained``), when there is one."""
+    if processing_class is not None and callable(getattr(processing_class, "save_pretrained", None)):
+        processing_class.save_pretrained(str(directory))
+
+
+def write_training_args(args: Any, directory: Path) -> None:
+    """The run's TrainingArguments as JSON (transformers pickles them into ``training_args.bin``)."""
+    (Path(directory) / TRAINING_ARGS).write_text(args.to_json_string() + "\n", encoding="utf-8")
+
+
+def align_special_tokens(model: Any, processing_class: Any) -> None:
+    """transformers' own alignment of the config's pad / bos / eos ids with a tokenizer's, before training.
+
+    transformers 5 does it at train() (a tokenizer may define new special tokens for fine-tuning);
+    the saved config.json then carries them. Older transformers have no such function: nothing to do.
+    """
+    if processing_class is None or getattr(model, "config", None) is None:
+        return
+    try:
+        from transformers.processing_utils import ProcessorMixin
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.trainer_utils import align_special_tokens as align
+    except ImportError:
+        return
+    if isinstance(processing_class, PreTrainedTokenizerBase | ProcessorMixin):
+        align(unwrap_model(model), processing_class)
+
+
+def checkpoint_extras(trainer: Any) -> Any:
+    """``fn(directory)`` writing a checkpoint's model-folder files, for the Checkpointing plugin."""
+
+    def write(directory: Path) -> None:
+        write_config_files(trainer.model, directory)
+        write_processing_files(trainer.processing_class, directory)
+        write_training_args(trainer.args, directory)
+
+    return write
