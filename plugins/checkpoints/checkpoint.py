@@ -21,10 +21,9 @@ and a resume takes the checkpoint rank 0 chose, refusing one written by another 
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Sequence
@@ -36,71 +35,60 @@ import torch
 from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority, State
 from trainbus.engine.events import (
     EpochEndEvent,
-    EpochStartEvent,
     EvalEndEvent,
     Payload,
     SaveEvent,
     StepEndEvent,
     TrainEndEvent,
+    TrainStartEvent,
 )
 
-from ..distributed.processes import barrier, broadcast_from_main, gather_to_main, rank, world_size
+from ..distributed.processes import barrier, broadcast_from_main, gather_to_main, rank
 from . import io as cio
-from . import verified
+from .directory import PREFIX, delete_checkpoint, latest_checkpoint, list_checkpoints, publish_directory, tidy
 from .frozen import base_fingerprint, check_base, trainable_state_dict
+from .history import write_trainer_state
 from .io import load_model_weights, save_model
-from .sharded import (
-    SHARDED,
-    load_model_shards,
-    load_shards,
-    save_sharded_checkpoint,
-    saved_by_every_rank,
-    world_size_error,
+from .lock import OutputDirLock, claim_output_dir, lock_on_main
+from .resuming import (
+    chosen_by_main,
+    load_checkpoint,
+    resolve_checkpoint,
+    resume,
+    resumed_batch_size,
+    rng_file_stems,
+    verify_best_weights,
 )
+from .safety import DamagedCheckpoint
+from .sharded import SHARDED, load_model_shards, save_sharded_checkpoint, saved_by_every_rank
+from .verified import read_manifest
 
 logger = logging.getLogger("trainbus.checkpoint")
 
-PREFIX = "checkpoint-"
-_NAME = re.compile(r"^checkpoint-(\d+)$")
-_TMP = re.compile(r"^checkpoint-\d+\.(?:tmp|old)-(\d+)$")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 
 __all__ = [
+    "PREFIX",
     "Checkpointing",
     "LoadBestModelAtEnd",
     "checkpoints_to_keep",
+    "chosen_by_main",
+    "claim_run",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_model_weights",
+    "resolve_checkpoint",
     "resume",
     "resumed_batch_size",
+    "rng_file_stems",
     "rotate_checkpoints",
     "save_checkpoint",
     "save_model",
 ]
 
 
-# -- listing and rotation -------------------------------------------------------------------------
-def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (a readable manifest) in ``output_dir`` as ``(step, path)``, oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _NAME.match(child.name)
-        if match and child.is_dir() and verified.is_complete(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None."""
-    found = list_checkpoints(output_dir)
-    return found[-1][1] if found else None
-
-
+# -- rotation -------------------------------------------------------------------------------------
 def _same(a: str | Path | None, b: Path) -> bool:
     return a is not None and Path(a).resolve() == b.resolve()
 
@@ -127,10 +115,16 @@ def rotate_checkpoints(
     ``written`` lists the checkpoints this run wrote, oldest first: they count as more recent than
     any other, so checkpoints an earlier run left with higher step numbers rotate out first and
     the checkpoint just written is never the one deleted.
-    Incomplete directories are not counted and not touched, except temporary directories left
-    by processes that no longer run, which are removed.
+    Incomplete directories are not counted and not touched, except what processes that no longer run
+    left behind (``directory.tidy``: an interrupted re-save's copy is put back, the rest removed).
+    A checkpoint that cannot be deleted (permissions, a busy file system) is warned about and kept:
+    rotation only saves disk space, and the run goes on.
     """
-    _remove_stale_temporaries(Path(output_dir))
+    root = Path(output_dir)
+    try:
+        tidy(root)
+    except OSError as exc:
+        _warn(f"checkpoint rotation could not tidy {root}: {exc}; the run goes on")
     found = list_checkpoints(output_dir)
     if limit is None or not found:
         return []
@@ -140,38 +134,24 @@ def rotate_checkpoints(
     keep = checkpoints_to_keep(by_recency, limit, best_step)
     deleted = []
     for step, path in found:
-        if step not in keep:
-            _delete(path)
+        if step not in keep and _delete(path):
             deleted.append(path)
     return deleted
 
 
-def _delete(path: Path) -> None:
-    # rename first: a crash during rmtree must not leave a half-deleted dir that still has its manifest
-    doomed = path.with_name(f"{path.name}.old-{os.getpid()}")
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _remove_stale_temporaries(root: Path) -> None:
-    if not root.is_dir():
-        return
-    for child in root.iterdir():
-        match = _TMP.match(child.name)
-        if match and not _pid_alive(int(match.group(1))):
-            shutil.rmtree(child, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # our own leftovers come from a save that already failed
+def _delete(path: Path) -> bool:
+    """Delete a checkpoint; a failure is a warning (the checkpoint stays), never the run's end."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        delete_checkpoint(path)
+    except OSError as exc:
+        _warn(f"checkpoint rotation could not delete {path} ({type(exc).__name__}: {exc}); it is kept, the run goes on")
         return False
-    except OSError:
-        return True  # exists but belongs to someone else
     return True
+
+
+def _warn(message: str) -> None:
+    logger.warning(message)
+    warnings.warn(message, stacklevel=3)
 
 
 # -- save -----------------------------------------------------------------------------------------
@@ -222,13 +202,16 @@ def save_checkpoint(
             files |= cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
             for stem, rng in zip(rng_file_stems(len(rng_states)), rng_states, strict=True):
                 files |= cio.write_bundle(tmp, stem, rng)
-        files["trainer_state.json"] = cio.write_text(tmp / "trainer_state.json", state.to_json())
+        # the log history's full segments are linked from the last save, not rewritten (history.py)
+        state_files, history, linked = write_trainer_state(state, tmp, final)
+        files |= state_files
         processes = {"world_size": len(rng_states)} if len(rng_states) > 1 else {}
         base = {"frozen_base": frozen_base} if frozen_base is not None else {}
         only = {"model_only": True} if model_only else {}
-        listed = {"global_step": state.global_step, **processes, **base, **only, **(info or {})}
+        listed = {"global_step": state.global_step, **processes, **base, **only, **history, **(info or {})}
         cio.write_manifest(tmp, files, listed, entries=files)
-        cio.sync_files(tmp, [*files, cio.MANIFEST])  # every file and tmp's entries durable before the rename
+        # every file and tmp's entries durable before the rename (a linked segment's data already is)
+        cio.sync_files(tmp, [*(name for name in files if name not in linked), cio.MANIFEST])
         _publish(tmp, final)
     except BaseException:
         state.best_model_checkpoint = previous_best
@@ -237,208 +220,9 @@ def save_checkpoint(
     return final
 
 
-def rng_file_stems(processes: int) -> list[str]:
-    """The RNG bundles of a checkpoint written by ``processes`` processes: ``rng``, or ``rng-{rank}`` each."""
-    return ["rng"] if processes == 1 else [f"rng-{r}" for r in range(processes)]
-
-
 def _publish(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``; an existing ``final`` (a re-save of that step) is replaced."""
-    cio.publish_directory(tmp, final)
-
-
-# -- load / resume --------------------------------------------------------------------------------
-def resolve_checkpoint(checkpoint: str | Path | bool, output_dir: str | Path | None, *, verify: bool = False) -> Path:
-    """A checkpoint path from ``resume_from_checkpoint`` (a path, or True for the latest complete one).
-
-    With ``verify``, True means the newest checkpoint whose files match their manifest: a damaged
-    newer one (a truncated or altered file) is skipped with a warning naming it, so nothing is lost.
-    """
-    if checkpoint is True:
-        if output_dir is None:
-            raise ConfigError("resume_from_checkpoint=True needs an output_dir to search (or a Checkpointing plugin)")
-        latest = _newest_intact(output_dir) if verify else latest_checkpoint(output_dir)
-        if latest is None:
-            root = Path(output_dir)
-            seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-            raise ConfigError(
-                f"resume_from_checkpoint=True: no complete checkpoint (checkpoint-N with a valid {cio.MANIFEST}) "
-                f"in {root}; found: {seen or 'nothing'}"
-            )
-        return latest
-    if isinstance(checkpoint, bool) or not isinstance(checkpoint, str | os.PathLike):
-        raise ConfigError(f"resume_from_checkpoint must be a path or True, got {checkpoint!r}")
-    path = Path(checkpoint)
-    if not path.is_dir():
-        raise ConfigError(f"resume_from_checkpoint={str(path)!r} is not a directory")
-    return path
-
-
-def _newest_intact(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint whose files all match the manifest; damaged newer ones are warned about."""
-    found = list_checkpoints(output_dir)
-    for _, path in reversed(found):
-        try:
-            verified.read_manifest(path, verify=True)
-        except ConfigError as exc:
-            warnings.warn(
-                f"resume_from_checkpoint=True: skipping the damaged checkpoint {path} ({exc}); "
-                "resuming from the newest intact one before it",
-                stacklevel=2,
-            )
-            continue
-        return path
-    if found:
-        raise ConfigError(
-            f"resume_from_checkpoint=True: every checkpoint in {output_dir} is damaged (see the warnings)"
-        )
-    return None
-
-
-def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) -> dict[str, Any]:
-    """Verify a checkpoint and restore model, optimizer, state and plugins into ``engine``.
-
-    Returns the RNG states (not applied: ``resume`` applies them where the interrupted run was).
-    Reads only JSON and safetensors files listed in the manifest, each checked against it as it is
-    read (``verify=False``: the caller has just verified them), and applies nothing before every
-    listed file has been checked.
-    """
-    directory = Path(path)
-    manifest = verified.read_manifest(directory, verify=False)
-    if manifest.get("model_only"):
-        raise ConfigError(
-            f"checkpoint {directory} was saved with save_only_model=True: it holds the model but no optimizer, "
-            "scheduler or RNG state, so training cannot resume from it; load its model.safetensors as weights, "
-            "or train with save_only_model=False to get resumable checkpoints"
-        )
-    sharded = SHARDED in manifest  # FSDP: every rank checks and reads only its own slices (sharded.py)
-    written_by = manifest.get("world_size", 1)
-    if written_by != world_size():
-        raise ConfigError(
-            world_size_error(directory, written_by)
-            if sharded
-            else f"checkpoint {directory} was written by {written_by} process(es) but this run has {world_size()}: "
-            f"resume it with {written_by} (each rank's RNG states and data share depend on it)"
-        )
-    if engine.optimizer is None:
-        raise ConfigError("resuming needs engine.optimizer: pass it to the Engine or attach the optimizer plugin first")
-    files = verified.CheckedFiles(directory, manifest, verify=verify and not sharded)
-    state = _trainer_state(files)  # the small files first: a damaged one fails before the large are read
-    plugins = files.bundle("plugins")
-    stem = rng_file_stems(written_by)[rank()]
-    rng = files.bundle(stem)
-    if not isinstance(rng, dict) or "python" not in rng or "torch" not in rng:
-        raise ConfigError(f"checkpoint file {directory / (stem + '.json')} lacks the python/torch RNG states")
-    if not sharded:
-        weights = files.tensors("model.safetensors")
-        optimizer_state = files.bundle("optimizer")
-    files.finish()  # every other rank's RNG states too: the checkpoint is whole, or nothing is applied
-    if sharded:
-        load_shards(engine, directory, verify=verify)
-    else:
-        where = str(directory / "model.safetensors")
-        frozen = check_base(engine.model, manifest.get("frozen_base"), str(directory))
-        cio.load_weights(engine.model, weights, where, may_lack=frozen)
-        del weights  # views of the mapped file: unmapped now
-        try:
-            engine.optimizer.load_state_dict(optimizer_state)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise ConfigError(f"{directory / 'optimizer.json'} does not fit engine.optimizer: {exc}") from exc
-    # the fields as they are: State.to_dict() deep-copies them (the log history grows with the run)
-    fields = {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
-    engine.load_state_dict({"state": fields, "plugins": plugins})
-    return rng
-
-
-def _trainer_state(files: verified.CheckedFiles) -> State:
-    path = files.directory / "trainer_state.json"
-    data = files.read_bytes(path.name)  # a missing or damaged file: its ConfigError names it
-    try:
-        return State.from_json(data.decode("utf-8"))
-    except (UnicodeDecodeError, TypeError) as exc:
-        raise ConfigError(f"checkpoint file {path} is not a valid trainer state: {exc}") from exc
-    except ConfigError as exc:
-        raise ConfigError(f"checkpoint file {path}: {exc}") from exc
-
-
-def resume(engine: Engine, checkpoint: str | Path | bool, output_dir: str | Path | None = None) -> Path:
-    """Restore a checkpoint into ``engine`` so that ``engine.fit()`` continues the run bit for bit.
-
-    Args:
-        engine: a fresh engine built like the interrupted one (same plugins, optimizer, data).
-        checkpoint: a checkpoint directory, or True for the latest complete one in ``output_dir``.
-        output_dir: where to look for True; defaults to the attached Checkpointing plugin's.
-
-    RNG states are applied now and again just before the interrupted run's next random draw:
-    at the first STEP_START (mid-epoch), or at the next fresh EPOCH_START. Creating the resumed
-    epoch's data iterator (a DataLoader draws a seed) would otherwise shift every later draw.
-    """
-    if checkpoint is True and output_dir is None:
-        plugin = engine.get_plugin(Checkpointing)
-        output_dir = plugin.output_dir if isinstance(plugin, Checkpointing) else None
-    path = chosen_by_main(lambda: resolve_checkpoint(checkpoint, output_dir, verify=True))
-    rng = load_checkpoint(engine, path, verify=checkpoint is not True)  # True: verified while choosing
-    cio.set_rng_state(rng)
-    _RestoreRng(engine, rng)
-    logger.info("resumed from %s at global step %d", path, engine.state.global_step)
-    return path
-
-
-def resumed_batch_size(checkpoint: str | Path | bool, output_dir: str | None) -> tuple[Path, int | None]:
-    """The checkpoint that ``resume_from_checkpoint`` names and the per-device train batch size it trained with.
-
-    True means the newest intact checkpoint in ``output_dir``, chosen on the main process as a resume
-    chooses it. The size is the checkpoint's ``state.train_batch_size`` (None when it records none),
-    which transformers' ``train()`` starts from under ``auto_find_batch_size``.
-    """
-    path = chosen_by_main(lambda: resolve_checkpoint(checkpoint, output_dir, verify=True))
-    state_path = path / "trainer_state.json"
-    # checked against the manifest before it decides anything (the resume checks the rest)
-    verified.verify_listed(path, verified.read_manifest(path, verify=False), [state_path.name])
-    try:
-        size = State.load_from_json(state_path).train_batch_size
-    except (OSError, TypeError, ConfigError) as exc:
-        raise ConfigError(f"checkpoint file {state_path} is not a valid trainer state: {exc}") from exc
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise ConfigError(
-            f"checkpoint file {state_path}: train_batch_size must be an integer >= 1 or null, got {size!r}"
-        )
-    return path, size
-
-
-def chosen_by_main(choose: Any) -> Path:
-    """``choose()`` run on rank 0 and its result (or its ConfigError) on every rank."""
-    outcome: tuple[str, str] = ("", "")
-    if rank() == 0:
-        try:
-            outcome = ("path", str(choose()))
-        except ConfigError as exc:
-            outcome = ("error", str(exc))
-    kind, value = broadcast_from_main(outcome)
-    if kind == "error":
-        raise ConfigError(value)
-    return Path(value)
-
-
-class _RestoreRng:
-    """One-shot handlers re-applying RNG states where the uninterrupted run continued."""
-
-    def __init__(self, engine: Engine, rng: dict[str, Any]) -> None:
-        self.rng = rng
-        first = Priority.FIRST + 1  # before every plugin, as the uninterrupted run had no extra draws
-        self.handles = [
-            engine.on(Event.STEP_START, self._restore, priority=first, name="resume.restore_rng"),
-            engine.on(Event.EPOCH_START, self._epoch_start, priority=first, name="resume.restore_rng"),
-        ]
-
-    def _epoch_start(self, payload: EpochStartEvent) -> None:
-        if payload.engine.state.batches_in_epoch == 0:
-            self._restore(payload)
-
-    def _restore(self, payload: Payload) -> None:
-        cio.set_rng_state(self.rng)
-        for handle in self.handles:
-            handle.remove()
+    """Rename ``tmp`` to ``final``; an existing ``final`` (a re-save of that step) is replaced (``directory.py``)."""
+    publish_directory(tmp, final)
 
 
 # -- plugins --------------------------------------------------------------------------------------
@@ -515,9 +299,18 @@ class Checkpointing(Plugin):
         self.last_metric: float | None = None
         self.last_saved: Path | None = None
         self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
+        self._lock: OutputDirLock | None = None
+
+    @property
+    def written(self) -> list[Path]:
+        """The checkpoints this plugin wrote, oldest first: the run's own (``lock.check_fresh_run``)."""
+        return list(self._written)
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.SAVE, self.save)
+        # one run per output_dir (lock.py): held from the start of training to its end, also after an error
+        self.on(engine, Event.TRAIN_START, self._take_lock, priority=Priority.FIRST + 10)
+        self.on(engine, Event.TRAIN_END, self._release_lock, priority=Priority.LAST - 10, cleanup=True)
         if self.only_best_at_end:
             # after LoadBestModelAtEnd (FIRST) has read the best checkpoint
             self.on(engine, Event.TRAIN_END, self._keep_only_best, priority=Priority.LAST)
@@ -552,15 +345,23 @@ class Checkpointing(Plugin):
         if self.save_strategy == "best" and engine.state.best_global_step == engine.state.global_step:
             engine.control.should_save = True
 
+    def _take_lock(self, payload: TrainStartEvent) -> None:
+        self._release_lock(payload)
+        self._lock = lock_on_main(self.output_dir)  # re-entrant: a Trainer's train() holds it already
+
+    def _release_lock(self, payload: Payload) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
     def _keep_only_best(self, payload: TrainEndEvent) -> None:
         """HF: with ``save_total_limit=1`` a finished run keeps only the best checkpoint, not also the newest."""
         best = payload.engine.state.best_model_checkpoint
         if best is None or rank() != 0 or not payload.engine.state.is_world_process_zero:
             return
         for _, path in list_checkpoints(self.output_dir):
-            if not _same(best, path):
-                logger.info("deleting %s: save_total_limit=1 keeps only the best checkpoint", path)
-                _delete(path)
+            if not _same(best, path) and _delete(path):
+                logger.info("deleted %s: save_total_limit=1 keeps only the best checkpoint", path)
 
     def save(self, payload: SaveEvent) -> None:
         """The SAVE handler: write the checkpoint (main process only; every rank its slices under FSDP) and rotate."""
@@ -592,12 +393,25 @@ class Checkpointing(Plugin):
         self.last_saved = final
 
 
+def claim_run(engine: Engine, resume_from_checkpoint: Any) -> contextlib.AbstractContextManager[None]:
+    """For a Trainer's train(): its output_dir's lock held for the block, and a fresh run's directory checked.
+
+    A fresh run refuses a directory holding checkpoints its Checkpointing plugin did not write, or with
+    ``args.overwrite_output_dir`` deletes them first (``lock.py``).
+    """
+    plugin = engine.get_plugin(Checkpointing)
+    own = plugin.written if isinstance(plugin, Checkpointing) else None
+    return claim_output_dir(engine, resume_from_checkpoint, own)
+
+
 class LoadBestModelAtEnd(Plugin):
     """At TRAIN_END, loads the weights of ``state.best_model_checkpoint`` into the model (K5).
 
     Runs first at TRAIN_END so that later handlers (a final save_model) see the best weights.
     Without a best checkpoint (no evaluation, or the best step was not saved) it warns and keeps
-    the last weights, as HF does.
+    the last weights, as HF does. A best checkpoint that is damaged (or does not fit the model) is
+    warned about and the run keeps its own weights: the finish of a long run never fails on it. The
+    weights file is checked whole before anything is copied, so the model is never half loaded.
     """
 
     priority = Priority.FIRST
@@ -612,12 +426,34 @@ class LoadBestModelAtEnd(Plugin):
             logger.warning("load_best_model_at_end: no best checkpoint was recorded; keeping the last weights")
             return
         directory = Path(best)
-        if SHARDED in verified.read_manifest(directory, verify=False):  # FSDP: every rank loads its own slices
-            load_model_shards(engine.model, directory)
-            logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)
+        problem = None
+        manifest: dict[str, Any] = {}
+        if rank() == 0:  # rank 0 checks, so that every rank loads or none does
+            try:
+                manifest = verify_best_weights(directory)
+            except DamagedCheckpoint as exc:
+                problem = str(exc)
+        problem = broadcast_from_main(problem)
+        if problem is None:
+            try:
+                _load_best(engine.model, directory, manifest)
+            except ConfigError as exc:  # nothing was copied: the weights are checked against the model first
+                problem = str(exc)
+        if problem is not None:
+            _warn(
+                f"load_best_model_at_end: the best checkpoint {best} cannot be loaded ({problem}); "
+                "keeping the run's own weights"
+            )
             return
-        manifest = verified.read_manifest(directory, verify=True)
-        weights = directory / "model.safetensors"
-        frozen = check_base(engine.model, manifest.get("frozen_base"), str(directory))
-        cio.load_weights(engine.model, cio.read_tensors(weights), str(weights), may_lack=frozen)
         logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)
+
+
+def _load_best(model: torch.nn.Module, directory: Path, manifest: dict[str, Any]) -> None:
+    """The weights of a checkpoint that rank 0 has just verified (``manifest`` read there; {} elsewhere)."""
+    manifest = manifest or read_manifest(directory, verify=False)
+    if SHARDED in manifest:  # FSDP: every rank loads its own slices
+        load_model_shards(model, directory, verify=False)
+        return
+    weights = directory / "model.safetensors"
+    frozen = check_base(model, manifest.get("frozen_base"), str(directory))
+    cio.load_weights(model, cio.read_tensors(weights), str(weights), may_lack=frozen)

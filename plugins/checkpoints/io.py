@@ -18,13 +18,13 @@ in parallel and commits its journal once.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import inspect
 import json
 import mmap
 import os
 import random
-import shutil
 import stat
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -41,6 +41,7 @@ import xxhash
 from trainbus.engine import ConfigError
 
 from . import codec
+from .safety import MAX_JSON_BYTES, DamagedCheckpoint, damaged, parse_bounded_json, plain_name
 
 try:  # numpy is optional: its RNG state is saved when it is installed
     import numpy as np
@@ -116,7 +117,7 @@ if hasattr(os, "register_at_fork"):  # POSIX
 
 def digest_file(path: Path, algorithm: str = HASH) -> str:
     """The hex digest of a file, hashed in place through a read-only memory map (no copy into Python)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     try:
         return digest_fd(fd, os.fstat(fd).st_size, algorithm)
     finally:
@@ -214,31 +215,34 @@ def _for_safetensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def read_json(path: Path) -> Any:
-    """Parse a JSON file; a missing or corrupt file raises ConfigError naming it."""
-    return parse_json(read_file(path), path)
+def read_json(path: Path, *, limit: int = MAX_JSON_BYTES) -> Any:
+    """Parse a JSON file of at most ``limit`` bytes; a missing, oversized or corrupt file raises
+    DamagedCheckpoint (a ConfigError) naming it (``safety.parse_bounded_json``)."""
+    return parse_bounded_json(read_file(path, limit=limit), path, limit=limit)
 
 
 def parse_json(data: bytes, path: Path) -> Any:
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"checkpoint file {path} is not valid JSON: {exc}") from exc
+    return parse_bounded_json(data, path)
 
 
 # A load opens each file once, with os.open: open() adds an ioctl, two lseeks and an fstat to every
 # file it reads (9 system calls for a small file instead of 4; a load of the crash-test MLP's
 # checkpoint made 140 system calls, 95 now), each a few microseconds, tens after a large copy.
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO opens without waiting for a writer, and is refused
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a symlink is refused, not followed out of the checkpoint
 
 
 def open_regular(file: Path) -> tuple[int, int] | None:
     """A read-only descriptor and the size of a regular file; None when there is none (missing, a
-    directory, a FIFO). The caller closes the descriptor."""
+    directory, a FIFO, a device). A symlink raises DamagedCheckpoint. The caller closes the descriptor."""
     try:
-        fd = os.open(file, os.O_RDONLY | _NONBLOCK)
+        fd = os.open(file, os.O_RDONLY | _NONBLOCK | _NOFOLLOW)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(file):
+            raise DamagedCheckpoint(f"checkpoint file {file} is a symlink; trainbus follows no link") from exc
+        raise
     try:
         info = os.fstat(fd)
     except BaseException:
@@ -250,14 +254,16 @@ def open_regular(file: Path) -> tuple[int, int] | None:
     return fd, info.st_size
 
 
-def read_file(file: Path) -> bytes:
-    """A regular file's bytes; ConfigError naming it when it is missing or unreadable."""
+def read_file(file: Path, *, limit: int | None = None) -> bytes:
+    """A regular file's bytes; ConfigError naming it when it is missing, unreadable or over ``limit`` bytes."""
     try:
         opened = open_regular(file)
         if opened is None:
-            raise ConfigError(f"checkpoint file {file} is missing")
+            raise DamagedCheckpoint(f"checkpoint file {file} is missing (or not a regular file)")
         fd, size = opened
         try:
+            if limit is not None and size > limit:
+                raise DamagedCheckpoint(f"checkpoint file {file} has {size} bytes, more than the {limit} it may")
             return read_fd(fd, size)
         finally:
             os.close(fd)
@@ -282,13 +288,19 @@ def read_tensors(path: Path, *, owned: bool = False, size: int | None = None) ->
     ``size``: the file's, when the caller knows it.
     """
     try:
+        if os.path.islink(path):  # safetensors opens by name: a link would be followed
+            raise DamagedCheckpoint(f"checkpoint file {path} is a symlink; trainbus follows no link")
         if owned and _PREAD and (path.stat().st_size if size is None else size) <= _PREAD_MAX:
             return st.load_file(str(path), device="cpu", backend="pread")
         tensors = st.load_file(str(path), device="cpu")
     except FileNotFoundError as exc:
-        raise ConfigError(f"checkpoint file {path} is missing") from exc
+        raise DamagedCheckpoint(f"checkpoint file {path} is missing") from exc
+    except DamagedCheckpoint:
+        raise
     except (OSError, safetensors.SafetensorError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"checkpoint file {path} is not a valid safetensors file: {exc}") from exc
+        raise DamagedCheckpoint(f"checkpoint file {path} is not a valid safetensors file: {exc}") from exc
+    except Exception as exc:  # whatever else reading it raised: damage, not a crash
+        raise damaged(path, exc) from exc
     return {key: tensor.clone() for key, tensor in tensors.items()} if owned else tensors
 
 
@@ -361,6 +373,10 @@ def load_weights(
         ]
         if missing:
             raise ConfigError(f"{where} lacks weights of the model: {missing[:10]}")
+    misfits = [k for k, t in state.items() if own[k].shape != t.shape]
+    if misfits:  # refused before anything is copied (load_state_dict copies the fitting ones, then raises)
+        shapes = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in misfits[:5]]
+        raise ConfigError(f"{where} does not fit the model: (name, saved shape, model shape) {shapes}")
     try:
         model.load_state_dict(dict(state), strict=False)
     except RuntimeError as exc:
@@ -389,24 +405,6 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             torch.cuda.set_rng_state_all(list(state["cuda"]))
         else:
             warnings.warn("the checkpoint holds CUDA RNG states but CUDA is not available; not restored", stacklevel=2)
-
-
-def publish_directory(tmp: Path, final: Path) -> None:
-    """Rename a finished ``tmp`` directory to ``final`` and fsync the parent; an existing ``final`` (a
-    re-save of that step) is replaced, and put back if the rename fails."""
-    old = None
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        if old is not None:
-            os.replace(old, final)
-        raise
-    fsync_path(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # -- final model ----------------------------------------------------------------------------------
@@ -460,15 +458,16 @@ def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
     root = Path(directory)
     single = root / "model.safetensors"
     index = root / "model.safetensors.index.json"
-    if single.is_file():
+    if single.is_file() or single.is_symlink():  # a link is refused by read_tensors, not skipped
         load_weights(model, read_tensors(single), str(single))
         return
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
+    if index.is_file() or index.is_symlink():
+        document = read_json(index)
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
         if not isinstance(weight_map, dict):
             raise ConfigError(f"{index} has no 'weight_map' object")
         state: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
+        for shard in sorted({plain_name(name, index) for name in weight_map.values()}):  # no path out of root
             state.update(read_tensors(root / shard))
         load_weights(model, state, str(index))
         return

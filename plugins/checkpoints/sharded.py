@@ -43,6 +43,8 @@ from ..distributed.fsdp import is_sharded
 from ..distributed.processes import broadcast_from_main, gather_to_main, rank, world_size
 from . import io as cio
 from . import verified
+from .directory import publish_directory
+from .history import write_trainer_state
 from .zero import is_zero_layout, load_zero, model_file, write_zero_files, zero_full_state, zero_world_size_error
 
 #: the manifest key that marks a checkpoint written in shards (its value: the sharding's name)
@@ -234,12 +236,15 @@ def _finish(
         stems = ["rng"] if len(rng_states) == 1 else [f"rng-{r}" for r in range(len(rng_states))]
         for stem, rng in zip(stems, rng_states, strict=True):
             shared |= cio.write_bundle(tmp, stem, rng)
-        shared["trainer_state.json"] = cio.write_text(tmp / "trainer_state.json", engine.state.to_json())
+        state_files, history, linked = write_trainer_state(engine.state, tmp, final)  # history.py
+        shared |= state_files
         files = {name: entry for written in gathered for name, entry in written["files"].items()} | shared
-        listed = {"global_step": engine.state.global_step, "world_size": len(gathered), SHARDED: layout, **info}
+        listed = {
+            "global_step": engine.state.global_step, "world_size": len(gathered), SHARDED: layout, **history, **info
+        }  # fmt: skip
         cio.write_manifest(tmp, files, listed, entries=files)  # every rank hashed its own files as it wrote them
-        cio.sync_files(tmp, [*shared, cio.MANIFEST])
-        cio.publish_directory(tmp, final)
+        cio.sync_files(tmp, [*(name for name in shared if name not in linked), cio.MANIFEST])
+        publish_directory(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -279,6 +284,8 @@ def world_size_error(directory: Path, written_by: int) -> str:
 
 @contextlib.contextmanager
 def _opened(path: Path) -> Iterator[Any]:
+    if path.is_symlink():  # safe_open opens by name: a link would be followed
+        raise ConfigError(f"checkpoint file {path} is a symlink; trainbus follows no link")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             yield handle

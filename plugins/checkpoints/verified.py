@@ -15,33 +15,50 @@ from typing import Any
 
 import torch
 
-from trainbus.engine import ConfigError
-
 from . import codec
 from . import io as cio
+from .safety import (
+    MAX_JSON_BYTES,
+    MAX_MANIFEST_BYTES,
+    DamagedCheckpoint,
+    check_safetensors_header,
+    damaged,
+    plain_name,
+    real_directory,
+)
 
 
 def read_manifest(directory: Path, *, verify: bool = True) -> dict[str, Any]:
     """The manifest of a complete checkpoint; with ``verify`` every listed file's size and hash.
 
-    Raises ConfigError naming the file that is missing, truncated or altered.
+    Raises DamagedCheckpoint (a ConfigError) naming the file that is missing, truncated, altered,
+    out of bounds or not a plain name inside ``directory`` (``safety.py``), whatever went wrong.
     """
     path = directory / cio.MANIFEST
-    manifest = cio.read_json(path)
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != cio.FORMAT
-        or not isinstance(manifest.get("files"), dict)
-    ):
-        raise ConfigError(f"{path} is not a {cio.FORMAT} manifest")
-    if manifest.get("version") not in cio.READABLE_VERSIONS:
-        raise ConfigError(
-            f"{path} has format version {manifest.get('version')!r}; this trainbus reads {list(cio.READABLE_VERSIONS)}"
-        )
-    if verify:
+    try:
+        real_directory(directory)
+        manifest = cio.read_json(path, limit=MAX_MANIFEST_BYTES)
+        if (
+            not isinstance(manifest, dict)
+            or manifest.get("format") != cio.FORMAT
+            or not isinstance(manifest.get("files"), dict)
+        ):
+            raise DamagedCheckpoint(f"{path} is not a {cio.FORMAT} manifest")
+        version = manifest.get("version")
+        if isinstance(version, bool) or version not in cio.READABLE_VERSIONS:
+            raise DamagedCheckpoint(
+                f"{path} has format version {version!r}; this trainbus reads {list(cio.READABLE_VERSIONS)}"
+            )
         for name, entry in manifest["files"].items():
-            verify_file(directory / name, entry, path)
-    return manifest
+            plain_name(name, path)
+            if not isinstance(entry, dict):
+                raise DamagedCheckpoint(f"{path} lists {name} with {entry!r}, not a size and a hash")
+        if verify:
+            for name, entry in manifest["files"].items():
+                verify_file(directory / name, entry, path)
+    except Exception as exc:  # a manifest is data from disk: whatever it makes fail is damage
+        raise damaged(path, exc) from exc
+    return manifest  # type: ignore[no-any-return]
 
 
 def verify_listed(directory: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> None:
@@ -52,7 +69,7 @@ def verify_listed(directory: Path, manifest: Mapping[str, Any], names: Iterable[
     for name in names:
         entry = manifest["files"].get(name)
         if entry is None:
-            raise ConfigError(f"checkpoint file {directory / name} is not listed in {directory / cio.MANIFEST}")
+            raise DamagedCheckpoint(f"checkpoint file {directory / name} is not listed in {directory / cio.MANIFEST}")
         verify_file(directory / name, entry, directory / cio.MANIFEST)
 
 
@@ -63,17 +80,21 @@ def verify_file(file: Path, entry: Any, manifest: Path) -> None:
     try:
         _check_size(file, size, entry)
         digest = cio.digest_fd(fd, size, algorithm)
+        _check_hash(file, digest, entry, algorithm, manifest)
+        if file.suffix == ".safetensors":  # as written, or a manifest rewritten with it: bounded before parsing
+            check_safetensors_header(fd, size, file)
     finally:
         os.close(fd)
-    _check_hash(file, digest, entry, algorithm, manifest)
 
 
-def read_checked(file: Path, entry: Any, manifest: Path) -> bytes:
+def read_checked(file: Path, entry: Any, manifest: Path, *, limit: int = MAX_JSON_BYTES) -> bytes:
     """The bytes of a file, checked against its manifest entry: read once, hashed in hand (a JSON file)."""
     algorithm = _hash_named_by(entry, file, manifest)
     fd, size = _open_listed(file, manifest)
     try:
         _check_size(file, size, entry)
+        if size > limit:
+            raise DamagedCheckpoint(f"checkpoint file {file} has {size} bytes, more than the {limit} it may")
         data = cio.read_fd(fd, size)
     finally:
         os.close(fd)
@@ -86,27 +107,31 @@ def _open_listed(file: Path, manifest: Path) -> tuple[int, int]:
     try:
         opened = cio.open_regular(file)
     except OSError as exc:
-        raise ConfigError(f"checkpoint file {file} listed in {manifest} cannot be read: {exc}") from exc
+        raise DamagedCheckpoint(f"checkpoint file {file} listed in {manifest} cannot be read: {exc}") from exc
     if opened is None:
-        raise ConfigError(f"checkpoint file {file} listed in {manifest} is missing")
+        raise DamagedCheckpoint(f"checkpoint file {file} listed in {manifest} is missing (or not a regular file)")
     return opened
 
 
 def _hash_named_by(entry: Any, file: Path, manifest: Path) -> str:
     algorithm = next((name for name in cio.HASHES if isinstance(entry, dict) and name in entry), None)
     if algorithm is None:
-        raise ConfigError(f"{manifest} lists {file.name} without a size and a hash of {sorted(cio.HASHES)}: {entry!r}")
+        raise DamagedCheckpoint(
+            f"{manifest} lists {file.name} without a size and a hash of {sorted(cio.HASHES)}: {entry!r}"
+        )
     return algorithm
 
 
 def _check_size(file: Path, size: int, entry: Mapping[str, Any]) -> None:
     if size != entry.get("size"):
-        raise ConfigError(f"checkpoint file {file} has {size} bytes, the manifest says {entry.get('size')}")
+        raise DamagedCheckpoint(f"checkpoint file {file} has {size} bytes, the manifest says {entry.get('size')}")
 
 
 def _check_hash(file: Path, digest: str, entry: Mapping[str, Any], algorithm: str, manifest: Path) -> None:
     if digest != entry[algorithm]:
-        raise ConfigError(f"checkpoint file {file} does not match its {algorithm} in {manifest} (corrupt or altered)")
+        raise DamagedCheckpoint(
+            f"checkpoint file {file} does not match its {algorithm} in {manifest} (corrupt or altered)"
+        )
 
 
 class CheckedFiles:
@@ -128,9 +153,9 @@ class CheckedFiles:
 
     def _path(self, name: str) -> Path:
         """The file's path; checks that the manifest lists it and marks it read."""
-        path = self.directory / name
+        path = self.directory / plain_name(name, self.manifest_path)
         if self.verify and name not in self.files:
-            raise ConfigError(f"checkpoint file {path} is not listed in {self.manifest_path}")
+            raise DamagedCheckpoint(f"checkpoint file {path} is not listed in {self.manifest_path}")
         self.seen.add(name)
         return path
 
@@ -165,6 +190,6 @@ def is_complete(directory: Path) -> bool:
     """Cheap completeness test (a readable manifest); ``read_manifest`` verifies the contents."""
     try:
         read_manifest(directory, verify=False)
-    except ConfigError:
+    except Exception:  # read_manifest raises DamagedCheckpoint; nothing else may break a listing
         return False
     return True

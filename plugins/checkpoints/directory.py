@@ -1,0 +1,153 @@
+"""The checkpoints of an output_dir: listing, publishing, deleting, and tidying what a crash left.
+
+Names in ``output_dir``:
+
+- ``checkpoint-N``: a checkpoint; complete when its manifest reads (``verified.is_complete``);
+- ``checkpoint-N.tmp-PID``: a save in progress (or a crashed one) of process PID;
+- ``checkpoint-N.old-PID``: the previous copy of step N while a re-save of step N replaces it;
+- ``checkpoint-N.del-PID``: a checkpoint rotation is deleting.
+
+A re-save of step N (``publish_directory``) renames ``checkpoint-N`` to ``.old-PID``, then the
+finished ``.tmp-PID`` to ``checkpoint-N``, then deletes ``.old-PID``. A crash between the two renames
+leaves no ``checkpoint-N`` but two complete copies; ``tidy`` (run before every rotation and when a
+run starts or resumes) puts the newer intact one back as ``checkpoint-N`` instead of deleting both
+as stale (it used to). Leftovers of processes still alive are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+from . import io as cio
+from . import verified
+from .safety import DamagedCheckpoint
+
+logger = logging.getLogger("trainbus.checkpoint")
+
+PREFIX = "checkpoint-"
+NAME = re.compile(r"^checkpoint-(\d+)$")
+LEFTOVER = re.compile(r"^checkpoint-(\d+)\.(tmp|old|del)-(\d+)$")
+
+__all__ = [
+    "LEFTOVER",
+    "NAME",
+    "PREFIX",
+    "checkpoint_dirs",
+    "delete_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "pid_alive",
+    "publish_directory",
+    "tidy",
+]
+
+
+def checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every ``checkpoint-N`` entry of ``output_dir`` (complete or not, a symlink too), oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = NAME.match(child.name)
+        if match and (child.is_symlink() or child.is_dir()):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (a real directory with a readable manifest) in ``output_dir`` as ``(step, path)``,
+    oldest first. A damaged sibling is left out, never an error."""
+    return [(step, path) for step, path in checkpoint_dirs(output_dir) if verified.is_complete(path)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    found = list_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def publish_directory(tmp: Path, final: Path) -> None:
+    """Rename a finished ``tmp`` directory to ``final`` and fsync the parent; an existing ``final`` (a
+    re-save of that step) is replaced, and put back if the rename fails. Between the two renames both
+    copies are complete on disk, so a crash there loses neither (``tidy`` puts one back)."""
+    old = None
+    if final.exists() or final.is_symlink():
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if old is not None:
+            os.replace(old, final)
+        raise
+    cio.fsync_path(final.parent)
+    if old is not None:
+        _remove(old)
+
+
+def delete_checkpoint(path: Path) -> None:
+    """Delete a checkpoint: renamed to ``.del-PID`` first, so a crash during the removal leaves no
+    half-deleted directory that still has its manifest. Raises OSError when the rename fails."""
+    doomed = path.with_name(f"{path.name}.del-{os.getpid()}")
+    os.replace(path, doomed)
+    _remove(doomed)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (our own pid counts as dead: its leftovers are from a save that failed)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists but belongs to someone else
+    return True
+
+
+def tidy(root: Path) -> list[Path]:
+    """Clean up after processes that died in a save, a re-save or a rotation; returns what it put back.
+
+    For a step with no ``checkpoint-N``, the newest intact leftover of a dead process (the re-save's
+    ``.tmp``, else the previous ``.old``), verified file by file, is renamed back to ``checkpoint-N``;
+    every other leftover of a dead process is removed.
+    """
+    if not root.is_dir():
+        return []
+    by_step: dict[int, list[tuple[str, Path]]] = {}
+    for child in root.iterdir():
+        match = LEFTOVER.match(child.name)
+        if match and not pid_alive(int(match.group(3))):
+            by_step.setdefault(int(match.group(1)), []).append((match.group(2), child))
+    restored = []
+    for step, leftovers in sorted(by_step.items()):
+        final = root / f"{PREFIX}{step}"
+        if not (final.exists() or final.is_symlink()):
+            order = {"tmp": 0, "old": 1}  # the re-save's copy is the newer one; a rotation's is not put back
+            for kind, path in sorted((lo for lo in leftovers if lo[0] in order), key=lambda lo: order[lo[0]]):
+                try:
+                    verified.read_manifest(path, verify=True)
+                except DamagedCheckpoint:
+                    continue
+                os.replace(path, final)
+                cio.fsync_path(root)
+                logger.warning("put back %s from %s, left by a save that was interrupted", final, path.name)
+                leftovers.remove((kind, path))
+                restored.append(final)
+                break
+        for _, path in leftovers:
+            _remove(path)
+    return restored

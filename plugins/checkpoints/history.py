@@ -1,0 +1,157 @@
+"""The trainer state of a checkpoint, with a save cost that does not grow with the log history.
+
+``state.log_history`` grows by one record per log; rewriting all of it into every checkpoint made a
+save at step 20,000 (logging every step) cost about 9x one at step 1,000. So the history is cut into
+segments of ``SEGMENT`` records: record ``i`` lives in segment ``i // SEGMENT``. The full segments
+are files of their own, ``log_history-000000.json``, ... (listed, in order, under the manifest's
+``log_history_segments``), and a full segment never changes: the next save hard-links the copy the
+previous save wrote (checked against its hash first) instead of writing it again. Only the records
+after the last full segment, fewer than ``SEGMENT``, go into ``trainer_state.json``'s ``log_history``.
+A save therefore serialises at most ``SEGMENT - 1`` records and links one file per ``SEGMENT``
+records (measured in ``benchmarks/checkpoint_growth.py``).
+
+``trainer_state.json`` stays transformers' ``TrainerState`` JSON: a run with fewer than ``SEGMENT``
+records (and every checkpoint written before this) has its whole history there; a longer run has
+the newest records there and the older ones in the segments, which ``read_log_history`` puts back
+in front, so a resume gets the history bit for bit.
+
+A segment is reused only while the records it was written from are the same objects (the first and
+last of the segment, held by the cache) at the same places in ``log_history``: the history is
+append-only (as HF's), and a run that replaces records gets fresh segments. Where the file system
+has no hard links, the segment is written again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from trainbus.engine import State
+
+from . import io as cio
+from . import verified
+from .safety import DamagedCheckpoint, plain_name
+
+SEGMENT = 256
+FORMAT = "trainbus-log-history"
+MANIFEST_KEY = "log_history_segments"
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+__all__ = ["MANIFEST_KEY", "SEGMENT", "read_log_history", "segment_name", "write_trainer_state"]
+
+
+class _Segment(NamedTuple):
+    name: str
+    entry: dict[str, Any]  # its manifest entry: size and hash
+    path: Path  # where the published copy lives
+    first: Any  # the first and last records it was written from (held: their ids cannot be reused)
+    last: Any
+
+
+#: output_dir -> the segments its last save wrote, in order
+_CACHE: dict[str, list[_Segment]] = {}
+
+
+def segment_name(index: int) -> str:
+    return f"log_history-{index:06d}.json"
+
+
+def write_trainer_state(
+    state: State, tmp: Path, final: Path
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any], set[str]]:
+    """Write ``trainer_state.json`` and the history's segments into ``tmp`` (to be published as ``final``).
+
+    Returns the files' manifest entries, what the manifest lists (the segments' names), and the names
+    of the files that were linked (already durable: they need no fsync).
+    """
+    history = state.log_history
+    full = len(history) // SEGMENT
+    key = str(final.parent.absolute())
+    cached = _CACHE.get(key, [])
+    segments: list[_Segment] = []
+    files: dict[str, dict[str, Any]] = {}
+    linked: set[str] = set()
+    for index in range(full):
+        name = segment_name(index)
+        first, last = history[index * SEGMENT], history[(index + 1) * SEGMENT - 1]
+        old = cached[index] if index < len(cached) else None
+        entry = None
+        if old is not None and old.first is first and old.last is last and _link(old, tmp / name):
+            entry = old.entry
+            linked.add(name)
+        if entry is None:
+            entry = cio.write_text(tmp / name, _encode_segment(history[index * SEGMENT : (index + 1) * SEGMENT]))
+        files[name] = entry
+        segments.append(_Segment(name, entry, final / name, first, last))
+    tail = history[full * SEGMENT :]
+    text = state.to_json() if full == 0 else dataclasses.replace(state, log_history=tail).to_json()
+    files["trainer_state.json"] = cio.write_text(tmp / "trainer_state.json", text)
+    _CACHE[key] = segments
+    listed = {MANIFEST_KEY: [s.name for s in segments]} if segments else {}
+    return files, listed, linked
+
+
+def _link(segment: _Segment, target: Path) -> bool:
+    """Hard-link a published segment to ``target`` if it still holds what it was written with."""
+    try:
+        os.link(segment.path, target, follow_symlinks=False)
+    except OSError:  # gone (rotated away), no hard links here, another file system
+        return False
+    try:
+        verified.verify_file(target, segment.entry, target)
+    except DamagedCheckpoint:  # altered on disk since: write it afresh
+        target.unlink()
+        return False
+    return True
+
+
+def _encode_segment(records: list[dict[str, Any]]) -> str:
+    try:
+        body = json.dumps(records, sort_keys=True, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # a non-finite float: tagged as State.to_json tags it
+        body = json.dumps(_tag(records), sort_keys=True, allow_nan=False, separators=(",", ":"))
+    return f'{{"format":"{FORMAT}","records":{body}}}'
+
+
+def _tag(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")}
+    if isinstance(value, dict):
+        return {str(k): _tag(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_tag(v) for v in value]
+    return value
+
+
+def _untag(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in _NONFINITE:
+            return _NONFINITE[value["__float__"]]
+        return {k: _untag(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_untag(v) for v in value]
+    return value
+
+
+def read_log_history(files: verified.CheckedFiles, manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The records a checkpoint keeps in segments (none for a short run), oldest first, each file checked."""
+    names = manifest.get(MANIFEST_KEY, [])
+    if not isinstance(names, list):
+        raise DamagedCheckpoint(f"{files.manifest_path}: {MANIFEST_KEY} must be a list, got {names!r}")
+    records: list[dict[str, Any]] = []
+    for name in names:
+        path = files.directory / plain_name(name, files.manifest_path)
+        data = files.read_bytes(name)
+        document = cio.parse_json(data, path)
+        if not isinstance(document, dict) or document.get("format") != FORMAT:
+            raise DamagedCheckpoint(f"checkpoint file {path} is not a {FORMAT} file")
+        segment = document.get("records")
+        if not isinstance(segment, list) or not all(isinstance(r, dict) for r in segment):
+            raise DamagedCheckpoint(f"checkpoint file {path} does not hold a list of log records")
+        records.extend(_untag(segment) if b'"__float__"' in data else segment)
+    return records
