@@ -337,6 +337,22 @@ def test_seq2seq_arguments_are_training_arguments_with_hf_defaults(tmp_path: Pat
     assert data["generation_config"]["max_length"] == 9
 
 
+def test_seq2seq_arguments_parse_with_hf_argument_parser(tmp_path: Path) -> None:
+    parser = transformers.HfArgumentParser(Seq2SeqTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(
+        args=["--output_dir", str(tmp_path), "--predict_with_generate", "--generation_max_length", "7",
+              "--generation_config", str(tmp_path / "gen"), "--learning_rate", "0.01"]
+    )  # fmt: skip
+    assert (args.predict_with_generate, args.generation_max_length, args.learning_rate) == (True, 7, 0.01)
+    assert Path(args.generation_config) == tmp_path / "gen"
+    config_file = tmp_path / "args.json"
+    config_file.write_text(json.dumps({"output_dir": str(tmp_path), "generation_num_beams": 3}))
+    (from_json,) = parser.parse_json_file(config_file)
+    assert (from_json.generation_num_beams, from_json.predict_with_generate) == (3, False)
+    with pytest.raises(ConfigError, match="sortish_sampler"):
+        parser.parse_args_into_dataclasses(args=["--output_dir", str(tmp_path), "--sortish_sampler"])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -171,9 +171,11 @@ class Seq2SeqTrainer(Trainer):
         #: generate's keyword arguments of the latest evaluate / predict (HF keeps them between calls)
         self._gen_kwargs: dict[str, Any] | None = None
         super().__init__(
-            model, args, data_collator, train_dataset, eval_dataset, processing_class, model_init,
-            compute_loss_func, compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics,
+            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
+            compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
+            optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )  # fmt: skip
         # HF's priority: args.generation_config, else the model's own, else generate's defaults
         if args.generation_config is not None:
