@@ -524,10 +524,11 @@ class Trainer(TrainerUtilities, Engine):
         self.state = State()
         self.state.train_batch_size = self._train_batch_size
         self.current_flos, self._non_embedding_parameters = 0.0, None
-        if resume_from_checkpoint:
-            ckpt.resume(self, resume_from_checkpoint, self.args.output_dir)
-            self.state.train_batch_size = self._train_batch_size  # what this run trains with, for its checkpoints
-        state = self.fit()
+        with ckpt.claim_run(self, resume_from_checkpoint):  # output_dir locked; a fresh run keeps others' checkpoints
+            if resume_from_checkpoint:
+                ckpt.resume(self, resume_from_checkpoint, self.args.output_dir)
+                self.state.train_batch_size = self._train_batch_size  # what this run trains with, for its checkpoints
+            state = self.fit()
         logger = self.get_plugin(TrainLogger)
         metrics = dict(getattr(logger, "train_metrics", {}))
         memory = self.get_plugin("MemoryMetrics", None)  # skip_memory_metrics=False: HF returns the deltas too
