@@ -14,6 +14,7 @@ import trainbus.engine.bus
 import trainbus.engine.loop
 import trainbus.engine.plugin
 import trainbus.engine.state
+import trainbus.engine.sync_counter
 import trainbus.engine.testing
 from trainbus.engine import ConfigError, Engine, Event, Plugin, State
 from trainbus.engine.testing import EventRecorder, LoopConfig, check_trace, toy_engine
@@ -243,7 +244,14 @@ def test_corrupt_state_json_is_a_clear_error() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    [trainbus.engine.loop, trainbus.engine.bus, trainbus.engine.state, trainbus.engine.plugin, trainbus.engine.testing],
+    [
+        trainbus.engine.loop,
+        trainbus.engine.bus,
+        trainbus.engine.state,
+        trainbus.engine.plugin,
+        trainbus.engine.testing,
+        trainbus.engine.sync_counter,
+    ],
 )
 def test_docstring_examples_run(module: object) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)  # type: ignore[arg-type]

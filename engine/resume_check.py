@@ -1,0 +1,298 @@
+"""Check a plugin for resume: a run saved at step k, loaded into a fresh engine and continued, must
+equal the run that was never interrupted (part of the testing kit: ``trainbus.engine.testing``).
+
+What is saved is what a checkpoint holds, copied in memory: the model's and the optimizer's
+``state_dict()``, ``engine.state_dict()`` (State and every plugin's ``state_dict()``, checked with
+the checkpoint codec's rules) and the RNG states (python, numpy when loaded, torch CPU and CUDA).
+The save happens where a checkpoint would: at SAVE after step k's other side effects, and the
+interrupted run then crashes. The RNG states are set again at the resumed run's first STEP_START or
+fresh EPOCH_START, as the Checkpointing plugin does (creating the DataLoader's iterator draws from
+the torch RNG). Data must come in the same order in every run (a fixed order, or a sampler seeded
+per epoch).
+
+Compared, at every STEP_START from the resume on and at TRAIN_END (before its handlers): State
+(except ``event_counts``: a resume replays an EPOCH_START), every plugin's ``state_dict()``, the
+model's and the optimizer's ``state_dict()``, bit for bit (NaN equals NaN). The first divergence is
+reported with the attributes of plugins that differed right after loading, which is where a field
+left out of ``state_dict()`` shows.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .bus import Handle, Priority
+from .errors import ConfigError, HandlerError
+from .events import Event, StepStartEvent, TrainEndEvent
+from .loop import Engine
+from .plugin import check_state
+
+Snapshot = dict[str, Any]
+
+
+class ResumeMismatch(AssertionError):
+    """A resumed run differs from the uninterrupted one; ``step``, ``path`` name the first divergence."""
+
+    def __init__(self, message: str, step: int | str, path: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.path = path
+
+
+class _Interrupt(Exception):
+    """The simulated crash right after the save."""
+
+
+def check_resume_equivalence(
+    make_engine: Callable[[], Engine], *, at: int | None = None, max_examples: int = 10
+) -> None:
+    """Assert that saving at a step, loading into a fresh engine and continuing equals never stopping.
+
+    Args:
+        make_engine: builds the engine with the plugins under test, the same run every time (seed
+            inside it). Called once for the uninterrupted run and twice per step checked.
+        at: the step to save at. None: hypothesis draws it from 1 .. last step - 1 (``max_examples``
+            draws, shrunk to the earliest failing step). Inside your own ``@given`` test, draw it
+            yourself and pass it (hypothesis does not nest).
+
+    Raises:
+        ResumeMismatch: naming the step and the path of the first divergence.
+
+    Example::
+
+        check_resume_equivalence(lambda: toy_engine(config, plugins=[MyPlugin()]))
+    """
+    reference = _record(make_engine(), resume=None)
+    steps = [key for key in reference if isinstance(key, int)]
+    last = max(steps, default=0) + 1  # the STEP_START snapshot of step n is taken at global_step n - 1
+    if at is not None:
+        if not 1 <= at < last:
+            raise ConfigError(f"at must be a step between 1 and {last - 1} (the run has {last} steps), got {at}")
+        _check_at(make_engine, at, reference)
+        return
+    if last < 2:
+        raise ConfigError(f"the run has {last} step(s): resuming needs at least 2")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=max_examples, deadline=None, database=None)
+    @given(st.integers(1, last - 1))
+    def save_at(step: int) -> None:
+        _check_at(make_engine, step, reference)
+
+    save_at()
+
+
+def _check_at(make_engine: Callable[[], Engine], at: int, reference: dict[int | str, Snapshot]) -> None:
+    saved = _interrupted(make_engine(), at)
+    resumed = _record(make_engine(), resume=saved)
+    for key, snapshot in resumed.items():
+        expected = reference.get(key)
+        if expected is None:
+            raise ResumeMismatch(f"the resumed run reached {_where(key, at)}, which the uninterrupted one never did",
+                                 key, "")  # fmt: skip
+        found = first_difference(_compared(snapshot), _compared(expected))
+        if found is not None:
+            path, got, want = found
+            hint = _attribute_hint(resumed.get(at), reference.get(at))
+            raise ResumeMismatch(
+                f"resuming from a save at step {at} diverges from the uninterrupted run {_where(key, at)}: "
+                f"{path}: resumed {_show(got)}, uninterrupted {_show(want)}{hint}",
+                key,
+                path,
+            )
+    if resumed.keys() != {k for k in reference if k == "end" or (isinstance(k, int) and k >= at)}:
+        raise ResumeMismatch(f"the resumed run stopped early: it reached {sorted(map(str, resumed))}", "end", "")
+
+
+def _compared(snapshot: Snapshot) -> Snapshot:
+    """What must be equal: attributes are only a hint (a plugin may keep a start time, a file handle...)."""
+    return {k: v for k, v in snapshot.items() if k != "attributes"}
+
+
+def _where(key: int | str, at: int) -> str:
+    if key == "end":
+        return "at the end of the run"
+    return "right after loading (before any step)" if key == at else f"before step {int(key) + 1}"
+
+
+def _record(engine: Engine, resume: Snapshot | None) -> dict[int | str, Snapshot]:
+    """Run ``engine`` (resumed from ``resume``); its snapshots by steps done, and "end"."""
+    snapshots: dict[int | str, Snapshot] = {}
+    if resume is not None:
+        assert engine.optimizer is not None
+        engine.model.load_state_dict(copy.deepcopy(resume["model"]))
+        engine.optimizer.load_state_dict(copy.deepcopy(resume["optimizer"]))
+        engine.load_state_dict(copy.deepcopy(resume["engine"]))
+        _set_rng(resume["rng"])
+        handles: list[Handle] = []
+
+        def set_rng_once(ev: Any) -> None:
+            if isinstance(ev, StepStartEvent) or ev.engine.state.batches_in_epoch == 0:  # a fresh epoch
+                _set_rng(resume["rng"])
+                for handle in handles:
+                    handle.remove()
+
+        first = Priority.FIRST + 200  # before anything that draws random numbers
+        handles = [engine.on(Event.EPOCH_START, set_rng_once, priority=first, name="resume_check.set_rng"),
+                   engine.on(Event.STEP_START, set_rng_once, priority=first, name="resume_check.set_rng")]  # fmt: skip
+
+    def snapshot(ev: Any) -> None:  # before the step's handlers: the state the previous step left
+        key = "end" if isinstance(ev, TrainEndEvent) else engine.state.global_step
+        snapshots.setdefault(key, _snapshot(engine))
+
+    engine.on(Event.STEP_START, snapshot, priority=Priority.FIRST + 100, name="resume_check.snapshot")
+    engine.on(Event.TRAIN_END, snapshot, priority=Priority.FIRST + 100, name="resume_check.snapshot")
+    engine.fit()
+    return snapshots
+
+
+def _interrupted(engine: Engine, at: int) -> Snapshot:
+    """Run until step ``at``, save at its SAVE (after the other side effects), then crash; the save."""
+    saved: Snapshot = {}
+
+    def request(ev: Any) -> None:
+        if ev.engine.state.global_step == at:
+            ev.engine.control.should_save = True
+
+    def save(ev: Any) -> None:
+        if ev.engine.state.global_step != at:
+            return
+        state = engine.state_dict()
+        check_state(state["plugins"], "plugins")
+        assert engine.optimizer is not None
+        saved.update(engine=copy.deepcopy(state), model=copy.deepcopy(engine.model.state_dict()),
+                     optimizer=copy.deepcopy(engine.optimizer.state_dict()), rng=_get_rng())  # fmt: skip
+        raise _Interrupt(f"simulated crash right after the save at step {at}")
+
+    engine.on(Event.STEP_END, request, priority=Priority.LAST - 100, name="resume_check.request_save")
+    engine.on(Event.SAVE, save, priority=Priority.LAST - 100, name="resume_check.save")
+    try:
+        engine.fit()
+    except HandlerError as error:
+        if not isinstance(error.__cause__, _Interrupt):
+            raise
+    if not saved:
+        raise ConfigError(f"the run never reached step {at}, so nothing was saved")
+    return saved
+
+
+def _snapshot(engine: Engine) -> Snapshot:
+    assert engine.optimizer is not None
+    state = engine.state.to_dict()
+    state.pop("event_counts")
+    return copy.deepcopy({
+        "state": state,
+        "plugins": {p.name: p.state_dict() for p in engine.plugins},
+        "model": engine.model.state_dict(),
+        "optimizer": engine.optimizer.state_dict(),
+        "attributes": {p.name: _data_attributes(p) for p in engine.plugins},
+    })  # fmt: skip
+
+
+def _data_attributes(plugin: Any) -> dict[str, Any]:
+    """The plugin's attributes that hold plain data (what a forgotten state field looks like)."""
+    return {k: v for k, v in vars(plugin).items() if not k.startswith("_plugin") and _is_data(v)}
+
+
+def _is_data(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, bool | int | float | str | torch.Tensor) or value is None:
+        return True
+    if depth > 3:
+        return False
+    if isinstance(value, Mapping):
+        return all(_is_data(v, depth + 1) for v in value.values())
+    if isinstance(value, list | tuple | set):
+        return all(_is_data(v, depth + 1) for v in value)
+    return False
+
+
+def _attribute_hint(resumed: Snapshot | None, reference: Snapshot | None) -> str:
+    if resumed is None or reference is None:
+        return ""
+    lines = []
+    for plugin, attributes in resumed["attributes"].items():
+        state = resumed["plugins"].get(plugin, {})
+        for name, value in attributes.items():
+            want = reference["attributes"].get(plugin, {}).get(name, value)
+            if name not in state and first_difference(value, want) is not None:
+                lines.append(f"{plugin}.{name} (resumed {_show(value)}, uninterrupted {_show(want)})")
+    if not lines:
+        return ""
+    return "; plugin attributes not in a state_dict that differed right after loading: " + ", ".join(lines)
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | None:
+    """``(path, a's value, b's value)`` at the first place two nested values differ, else None.
+
+    Tensors compare bit for bit (dtype and shape too; NaN equals NaN), floats with NaN equal to NaN.
+    """
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_tensor(a, b)
+        return None if same else (path or "/", a, b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        for key in [*a, *(k for k in b if k not in a)]:
+            if key not in a or key not in b:
+                return (f"{path}/{key}", a.get(key, "<missing>"), b.get(key, "<missing>"))
+            found = first_difference(a[key], b[key], f"{path}/{key}")
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple) and type(a) is type(b):
+        if len(a) != len(b):
+            return (f"{path} (length)", len(a), len(b))
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = first_difference(x, y, f"{path}/{i}")
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return None
+    return None if type(a) is type(b) and a == b else (path or "/", a, b)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point():
+        return False
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().flatten()
+        shown = ", ".join(f"{v:.6g}" for v in flat[:4].tolist())
+        return f"tensor({shown}{', ...' if flat.numel() > 4 else ''}; {tuple(value.shape)} {value.dtype})"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _get_rng() -> Snapshot:
+    numpy = sys.modules.get("numpy")
+    return {
+        "python": random.getstate(),
+        "numpy": numpy.random.get_state() if numpy is not None else None,
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng(rng: Snapshot) -> None:
+    random.setstate(rng["python"])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and rng["numpy"] is not None:
+        numpy.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None:
+        torch.cuda.set_rng_state_all(rng["cuda"])
