@@ -26,7 +26,7 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +162,13 @@ def save_checkpoint(
     info: dict[str, Any] | None = None,
     rng_states: Sequence[dict[str, Any]] | None = None,
     model_only: bool = False,
+    model_folder: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``output_dir/checkpoint-{global_step}`` atomically and return its path.
+
+    ``model_folder(directory)`` writes the files that make the checkpoint a model folder
+    (config.json, the tokenizer's files, ...: the facade's ``model_folder.checkpoint_extras``);
+    whatever it writes is listed in the manifest like trainbus's own files.
 
     ``model_only`` (HF's save_only_model) writes the model and the trainer state but no optimizer,
     plugin or RNG state: smaller, and it cannot be resumed from (loading one says so).
@@ -197,6 +202,8 @@ def save_checkpoint(
         else:  # a frozen base: only what trains, the base known by its fingerprint
             written = cio.write_tensors(weights, trainable_state_dict(engine.model))
         files = {weights.name: written}  # file name -> manifest entry: size, and the hash taken as it was written
+        if model_folder is not None:
+            files |= _write_listed(tmp, model_folder)
         if not model_only:
             files |= cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
             files |= cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
@@ -218,6 +225,14 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _write_listed(directory: Path, write: Callable[[Path], None]) -> dict[str, dict[str, Any]]:
+    """Run ``write(directory)`` and return the manifest entries of the plain files it added."""
+    before = set(os.listdir(directory))
+    write(directory)
+    added = sorted(set(os.listdir(directory)) - before)
+    return {name: cio.file_entry(directory / name) for name in added if (directory / name).is_file()}
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -272,6 +287,7 @@ class Checkpointing(Plugin):
         save_steps: int | float = 500,
         only_best_at_end: bool = False,
         save_only_model: bool = False,
+        model_folder: Callable[[Path], None] | None = None,
     ) -> None:
         if save_total_limit is not None and (
             isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1
@@ -296,6 +312,7 @@ class Checkpointing(Plugin):
         self.save_steps = save_steps
         self.only_best_at_end = only_best_at_end and save_total_limit == 1
         self.save_only_model = save_only_model
+        self.model_folder = model_folder  # writes config.json, tokenizer files, ... into each checkpoint
         self.last_metric: float | None = None
         self.last_saved: Path | None = None
         self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
@@ -379,8 +396,9 @@ class Checkpointing(Plugin):
                 )
             elif main:
                 save_checkpoint(
-                    engine, self.output_dir, info=info, rng_states=rng_states, model_only=self.save_only_model
-                )
+                    engine, self.output_dir, info=info, rng_states=rng_states, model_only=self.save_only_model,
+                    model_folder=self.model_folder,
+                )  # fmt: skip
             if main:
                 self._written = [path for path in self._written if path != final] + [final]
                 rotate_checkpoints(

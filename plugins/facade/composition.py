@@ -37,6 +37,7 @@ from ..optimization.optimizer_names import optimizer_spec
 from ..optimization.precision import MixedPrecision
 from ..optimization.regularization import LabelSmoothing, NEFTune
 from ..optimization.schedulers import LRScheduler
+from .model_folder import checkpoint_extras
 
 
 class TrainOutput(NamedTuple):
@@ -157,6 +158,7 @@ def build_plugins(
             args.metric_for_best_model,
             only_best_at_end=True,
             save_only_model=args.save_only_model,
+            model_folder=checkpoint_extras(trainer),  # config.json, tokenizer, training_args.json (HF's folder)
         )
     )
     if args.load_best_model_at_end:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .loss_protocol import unwrap_model
 
 TRAINING_ARGS = "training_args.json"
@@ -24,7 +26,11 @@ def write_config_files(model: Any, directory: Path) -> None:
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(config, "save_pretrained", None)):
         return
-    config.architectures = [type(model).__name__]  # as save_pretrained records it
+    # as save_pretrained records them: the class, and the weights' dtype as a string
+    config.architectures = [type(model).__name__]
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", str(dtype).split(".")[1])
     config.save_pretrained(directory)
     can_generate = getattr(model, "can_generate", None)
     generation_config = getattr(model, "generation_config", None)
