@@ -165,3 +165,75 @@ def test_up_front_validation_helpers() -> None:
         check_metric_key("a_acuracy", keys)
     with pytest.raises(ConfigError, match="non-empty string"):
         resolve_metric_key("")
+
+
+# -- a damaged best checkpoint (#23 item 3) --------------------------------------------------------
+def _checkpointed_run(output_dir: Any, steps: int = 3) -> Engine:
+    from trainbus.plugins.checkpoints.checkpoint import Checkpointing, LoadBestModelAtEnd
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    return Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=TRAIN, max_steps=steps,
+        loss_fn=torch.nn.MSELoss(),
+        plugins=[Checkpointing(output_dir, save_strategy="steps", save_steps=1), LoadBestModelAtEnd()],
+    )  # fmt: skip
+
+
+def _flip(path: Any) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_best_checkpoint_at_the_end_warns_and_keeps_the_runs_weights(tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    from trainbus.plugins.checkpoints import io as cio
+    from trainbus.plugins.checkpoints.checkpoint import LoadBestModelAtEnd
+
+    engine = _checkpointed_run(tmp_path)
+    engine.fit()
+    best = tmp_path / "checkpoint-1"
+    best_weights = cio.read_tensors(best / "model.safetensors", owned=True)
+    engine.state.best_model_checkpoint = str(best)
+    own = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    _flip(best / "model.safetensors")
+    with pytest.warns(UserWarning, match=r"best checkpoint .*checkpoint-1 cannot be loaded .*keeping the run's own"):
+        LoadBestModelAtEnd().load(SimpleNamespace(engine=engine))
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in own.items())
+    _flip(best / "model.safetensors")  # intact again: loaded
+    LoadBestModelAtEnd().load(SimpleNamespace(engine=engine))
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in best_weights.items())
+    # a best checkpoint that does not fit the model: warned, and not one tensor copied
+    other = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    engine.model = other
+    with pytest.warns(UserWarning, match=r"cannot be loaded .*does not fit the model"):
+        LoadBestModelAtEnd().load(SimpleNamespace(engine=engine))
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_resume_checks_the_best_checkpoint_it_will_load_at_the_end(tmp_path: Any) -> None:
+    from trainbus.plugins.checkpoints.checkpoint import resume, save_checkpoint
+
+    engine = _checkpointed_run(tmp_path, steps=2)
+    engine.fit()
+    engine.state.best_global_step = engine.state.global_step = 2
+    save_checkpoint(engine, tmp_path)  # checkpoint-2 is the best; then the run goes on to 3
+    engine.state.global_step = 3
+    save_checkpoint(engine, tmp_path)
+    _flip(tmp_path / "checkpoint-2" / "model.safetensors")
+    resumed = _checkpointed_run(tmp_path, steps=4)
+    with pytest.warns(UserWarning, match=r"best checkpoint .*checkpoint-2 is damaged .*keep its own weights"):
+        assert resume(resumed, True, tmp_path) == tmp_path / "checkpoint-3"
+    assert resumed.state.best_model_checkpoint is None
+    resumed.fit()  # and the end does not fail on it
+    intact = _checkpointed_run(tmp_path, steps=4)
+    _flip(tmp_path / "checkpoint-2" / "model.safetensors")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resume(intact, tmp_path / "checkpoint-3")
+    assert intact.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")

@@ -331,3 +331,74 @@ def test_a_model_index_naming_a_shard_outside_is_refused(tmp_path: Path) -> None
     (saved / "model.safetensors").symlink_to(secret)
     with pytest.raises(ConfigError, match="symlink"):
         cio.load_model_weights(model, saved)
+
+
+# -- a same-step re-save killed at any point loses neither copy (#23 item 8) -------------------------
+KILL_POINTS = [
+    "before moving the old copy aside",
+    "between the two renames",
+    "after publishing, before removing the old copy",
+    "half way through removing the old copy",
+]
+
+
+def _resave_killed(run: Path, point: str) -> None:
+    """In a forked child: re-save checkpoint-4 with other contents, and die (os._exit) at ``point``."""
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            engine = make_engine(run)
+            resume(engine, run / BAD)
+            engine.optimizer.param_groups[0]["lr"] = 0.5  # type: ignore[union-attr]  # tells the copies apart
+            real_replace, real_rmtree, calls = os.replace, shutil.rmtree, {"replace": 0}
+
+            def replace(src: Any, dst: Any) -> None:
+                calls["replace"] += 1
+                if point == KILL_POINTS[0] and calls["replace"] == 1:
+                    os._exit(9)
+                real_replace(src, dst)
+                if (point == KILL_POINTS[1] and calls["replace"] == 1) or (
+                    point == KILL_POINTS[2] and calls["replace"] == 2
+                ):
+                    os._exit(9)
+
+            def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+                if point == KILL_POINTS[3] and ".old-" in str(path):
+                    (Path(path) / "model.safetensors").unlink()
+                    os._exit(9)
+                real_rmtree(path, *args, **kwargs)
+
+            os.replace, shutil.rmtree = replace, rmtree  # type: ignore[assignment]
+            from trainbus.plugins.checkpoints.checkpoint import save_checkpoint
+
+            save_checkpoint(engine, run)
+            os._exit(0)
+        except BaseException:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 9, "the child was to die inside the re-save"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked child inside the save")
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_resave_killed_inside_a_rename_keeps_a_complete_copy_of_that_step(run: Path, point: str) -> None:
+    import warnings
+
+    from trainbus.plugins.checkpoints.checkpoint import save_checkpoint
+
+    _resave_killed(run, point)
+    fresh = make_engine(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no damaged checkpoint to skip: step 4 is there, complete
+        assert resume(fresh, True, run) == run / BAD
+    assert fresh.state.global_step == 4
+    lr = fresh.optimizer.param_groups[0]["lr"]  # type: ignore[union-attr]
+    assert lr == (0.01 if point == KILL_POINTS[0] else 0.5)  # the old copy, or the re-save once it was complete
+    fresh.state.global_step = 5
+    save_checkpoint(fresh, run)  # the next save tidies up: it keeps step 4 and leaves no leftovers
+    from trainbus.plugins.checkpoints.checkpoint import rotate_checkpoints
+
+    rotate_checkpoints(run, None)
+    assert sorted(p.name for p in run.iterdir()) == [GOOD, BAD, "checkpoint-5"]
+    verified_steps = [step for step, _ in list_checkpoints(run)]
+    assert verified_steps == [2, 4, 5]

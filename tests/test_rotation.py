@@ -131,3 +131,38 @@ def test_a_new_run_never_deletes_its_newest_checkpoint_for_older_runs_higher_ste
         assert (tmp_path / f"checkpoint-{step}").exists(), "the checkpoint just written must survive rotation"
     # the old run's checkpoints rotated out first, oldest step first
     assert [step for step, _ in list_checkpoints(tmp_path)] == [85, 102]
+
+
+def test_a_checkpoint_rotation_cannot_delete_is_warned_about_and_the_run_goes_on(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import warnings
+
+    from trainbus.plugins.checkpoints.checkpoint import Checkpointing, list_checkpoints
+
+    real_replace = os.replace
+
+    def no_delete(src: Any, dst: Any) -> None:  # a checkpoint on a read-only mount, a busy NFS file...
+        if ".del-" in str(dst):
+            raise PermissionError(errno.EACCES, "Permission denied", str(src))
+        real_replace(src, dst)
+
+    model = torch.nn.Linear(2, 1)
+    engine = Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=[(torch.ones(2, 2), torch.ones(2, 1))] * 4,
+        max_steps=4, loss_fn=torch.nn.MSELoss(),
+        plugins=[Checkpointing(tmp_path, save_total_limit=1, save_strategy="steps", save_steps=1)],
+    )  # fmt: skip
+    monkeypatch.setattr(os, "replace", no_delete)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert engine.fit().global_step == 4  # the run goes on to its end
+    messages = [str(w.message) for w in caught]
+    assert any("could not delete" in m and "checkpoint-1" in m and "Permission denied" in m for m in messages)
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [1, 2, 3, 4]  # kept, nothing half-deleted
+    monkeypatch.setattr(os, "replace", real_replace)
+    engine.state.global_step = 5
+    engine.control.should_save = False
+    engine.get_plugin(Checkpointing).save(SaveEvent(engine))  # type: ignore[union-attr]
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [5]  # the next rotation catches up
