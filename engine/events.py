@@ -36,12 +36,34 @@ against ``LossEvent``. Calling an event makes a filtered event: ``Event.STEP_END
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from .payloads import (
+    BackwardEndEvent,
+    BatchStartEvent,
+    BeforeOptimizerStepEvent,
+    EpochEndEvent,
+    EpochStartEvent,
+    EvalBatchEndEvent,
+    EvalEndEvent,
+    EvalStartEvent,
+    ExceptionEvent,
+    LogEvent,
+    LossEvent,
+    OptimizerStepEvent,
+    Payload,
+    PredictBatchEndEvent,
+    PredictEndEvent,
+    PredictStartEvent,
+    SaveEvent,
+    StepEndEvent,
+    StepStartEvent,
+    TrainEndEvent,
+    TrainStartEvent,
+)
 
 if TYPE_CHECKING:
     from .filters import EventFilter, FilteredEvent
-    from .loop import Engine
 
 P = TypeVar("P", bound="Payload")
 
@@ -84,136 +106,6 @@ class EventType(Generic[P]):
         from .filters import FilteredEvent
 
         return FilteredEvent(self, flt)
-
-
-@dataclass(eq=False, slots=True)
-class Payload:
-    """Base of every payload: the engine that fired the event."""
-
-    engine: Engine
-
-
-@dataclass(eq=False, slots=True)
-class TrainStartEvent(Payload):
-    pass
-
-
-@dataclass(eq=False, slots=True)
-class TrainEndEvent(Payload):
-    error: BaseException | None = None  # set when the run failed (only cleanup handlers see it then)
-
-
-@dataclass(eq=False, slots=True)
-class EpochStartEvent(Payload):
-    epoch: int  # 0-based index of the epoch that starts
-
-
-@dataclass(eq=False, slots=True)
-class EpochEndEvent(Payload):
-    epoch: int
-    error: BaseException | None = None  # set when the run failed inside this epoch
-
-
-@dataclass(eq=False, slots=True)
-class StepStartEvent(Payload):
-    batches: tuple[Any, ...]  # the window's micro-batches, as the data loader gave them
-
-
-@dataclass(eq=False, slots=True)
-class BatchStartEvent(Payload):
-    batch: Any  # replaceable
-    micro_index: int  # position in the window, 0-based
-    window_size: int
-
-
-@dataclass(eq=False, slots=True)
-class LossEvent(Payload):
-    batch: Any  # the batch after to_device
-    outputs: Any
-    loss: Any  # a scalar tensor; replaceable
-    micro_index: int
-    window_size: int
-
-
-@dataclass(eq=False, slots=True)
-class BackwardEndEvent(Payload):
-    loss: Any
-    micro_index: int
-    window_size: int
-
-
-@dataclass(eq=False, slots=True)
-class BeforeOptimizerStepEvent(Payload):
-    skip: bool = False  # a handler sets True to veto this optimizer step
-
-
-@dataclass(eq=False, slots=True)
-class OptimizerStepEvent(Payload):
-    pass
-
-
-@dataclass(eq=False, slots=True)
-class StepEndEvent(Payload):
-    stepped: bool  # False when the optimizer step was vetoed or skipped
-
-
-@dataclass(eq=False, slots=True)
-class LogEvent(Payload):
-    logs: dict[str, float]  # mutable: producers add values, sinks write them
-    window: bool  # True when fired by the loop at a logging point; False for engine.log(...)
-
-
-@dataclass(eq=False, slots=True)
-class EvalStartEvent(Payload):
-    dataloader: Any
-    prefix: str  # metric key prefix, e.g. "eval" or "eval_valid"
-
-
-@dataclass(eq=False, slots=True)
-class EvalBatchEndEvent(Payload):
-    batch: Any
-    loss: Any  # tensor or None
-    logits: Any  # tensor / tuple or None
-    labels: Any  # tensor / tuple or None
-    prefix: str
-
-
-@dataclass(eq=False, slots=True)
-class EvalEndEvent(Payload):
-    metrics: dict[str, Any]  # mutable: metric plugins fill it; evaluate() returns it
-    prefix: str
-    error: BaseException | None = None  # set when the pass failed: metrics are then incomplete
-
-
-@dataclass(eq=False, slots=True)
-class SaveEvent(Payload):
-    pass
-
-
-@dataclass(eq=False, slots=True)
-class PredictStartEvent(Payload):
-    dataloader: Any
-
-
-@dataclass(eq=False, slots=True)
-class PredictBatchEndEvent(Payload):
-    batch: Any
-    loss: Any
-    logits: Any
-    labels: Any
-
-
-@dataclass(eq=False, slots=True)
-class PredictEndEvent(Payload):
-    output: Any = None  # set by a collecting plugin; predict() returns it
-    metrics: dict[str, Any] = field(default_factory=dict)
-    error: BaseException | None = None  # set when the pass failed
-
-
-@dataclass(eq=False, slots=True)
-class ExceptionEvent(Payload):
-    error: BaseException  # what fit / evaluate / predict raised; it reaches the caller after the ENDs
-    during: str  # "fit", "evaluate" or "predict": the innermost call that failed
 
 
 class Event:
@@ -260,3 +152,33 @@ def event_by_name(name: str) -> EventType[Any]:
             f"unknown event {name!r}{suggest(name.upper(), Event.BY_NAME)}; known events: {', '.join(Event.BY_NAME)}"
         )
     return found
+
+
+__all__ = [
+    "END_EVENTS",
+    "Event",
+    "EventType",
+    "P",
+    "event_by_name",
+    "BackwardEndEvent",
+    "BatchStartEvent",
+    "BeforeOptimizerStepEvent",
+    "EpochEndEvent",
+    "EpochStartEvent",
+    "EvalBatchEndEvent",
+    "EvalEndEvent",
+    "EvalStartEvent",
+    "ExceptionEvent",
+    "LogEvent",
+    "LossEvent",
+    "OptimizerStepEvent",
+    "Payload",
+    "PredictBatchEndEvent",
+    "PredictEndEvent",
+    "PredictStartEvent",
+    "SaveEvent",
+    "StepEndEvent",
+    "StepStartEvent",
+    "TrainEndEvent",
+    "TrainStartEvent",
+]
