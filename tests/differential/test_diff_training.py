@@ -6,8 +6,6 @@ and compares what transformers' own test pins. Test names: ``test_<what>__mirror
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -233,7 +231,7 @@ def test_loader_without_dataset_attribute__mirrors_test_dataloader_without_datas
         output = trainer.train()
         return trainer, output, trainer.evaluate()
 
-    (hf, hf_out, hf_m), (tb, tb_out, tb_m) = run_both(scenario, tmp_path)
+    (_hf, hf_out, hf_m), (_tb, tb_out, tb_m) = run_both(scenario, tmp_path)
     # what transformers' test pins (training and evaluation run without loader.dataset): agreed
     assert hf_out.global_step == tb_out.global_step == 96  # two loaders of 16 batches, 3 epochs
     assert hf_m.keys() == tb_m.keys()
