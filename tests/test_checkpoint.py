@@ -489,3 +489,71 @@ def test_load_checkpoint_restores_without_rng(tmp_path: Path) -> None:
     fresh = make_engine(tmp_path / "x", max_steps=2)
     rng = load_checkpoint(fresh, tmp_path / "checkpoint-1")
     assert fresh.state.global_step == 1 and isinstance(rng["python"], tuple)
+
+
+# -- the log history in segments: a save's cost does not grow with the run (#23 item 7) -------------
+def _records(first: int, last: int) -> list[dict[str, Any]]:
+    special = {0: math.nan, 1: math.inf, 2: -math.inf}
+    return [{"loss": special.get(i % 97, 1.0 / (i + 1)), "step": i, "note": f"r{i}"} for i in range(first, last)]
+
+
+def _same_records(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # NaN written alike, and compared
+
+
+def test_a_long_log_history_round_trips_bit_for_bit_through_segments(tmp_path: Path) -> None:
+    from trainbus.plugins.checkpoints.history import MANIFEST_KEY, SEGMENT, segment_name
+
+    engine = make_engine(tmp_path / "run", max_steps=2, save_strategy=None)
+    engine.fit()
+    engine.state.log_history = _records(0, 2 * SEGMENT + 88)
+    path = save_checkpoint(engine, tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest[MANIFEST_KEY] == [segment_name(0), segment_name(1)]
+    state = json.loads((path / "trainer_state.json").read_text())  # HF's TrainerState JSON, the newest records
+    assert [r["step"] for r in state["log_history"]] == list(range(2 * SEGMENT, 2 * SEGMENT + 88))
+    fresh = make_engine(tmp_path / "other", max_steps=2, save_strategy=None)
+    resume(fresh, path)
+    assert _same_records(fresh.state.log_history, engine.state.log_history)
+    assert math.isnan(fresh.state.log_history[0]["loss"]) and fresh.state.log_history[1]["loss"] == math.inf
+
+
+def test_a_later_save_links_the_full_segments_and_a_changed_record_gets_a_fresh_one(tmp_path: Path) -> None:
+    from trainbus.plugins.checkpoints.history import SEGMENT, segment_name
+
+    engine = make_engine(tmp_path / "run", max_steps=2, save_strategy=None)
+    engine.fit()
+    engine.state.log_history = _records(0, SEGMENT + 10)
+    first = save_checkpoint(engine, tmp_path)
+    engine.state.log_history += _records(SEGMENT + 10, 2 * SEGMENT + 5)
+    engine.state.global_step = 3
+    second = save_checkpoint(engine, tmp_path)
+    inode = (second / segment_name(0)).stat().st_ino
+    assert (first / segment_name(0)).stat().st_ino == inode  # linked, not written again
+    assert (second / segment_name(0)).stat().st_nlink == 2 and (second / segment_name(1)).stat().st_nlink == 1
+    engine.state.log_history[0] = {"loss": 0.5, "step": 0}  # a record replaced: that segment is written afresh
+    engine.state.global_step = 4
+    third = save_checkpoint(engine, tmp_path)
+    assert (third / segment_name(0)).stat().st_ino != inode
+    assert (third / segment_name(1)).stat().st_ino == (second / segment_name(1)).stat().st_ino
+    with open(second / segment_name(1), "r+b") as f:  # altered on disk since: not linked again
+        f.seek(10)
+        f.write(b"X")
+    engine.state.global_step = 5
+    fifth = save_checkpoint(engine, tmp_path)
+    assert (fifth / segment_name(1)).stat().st_ino != (second / segment_name(1)).stat().st_ino
+    fresh = make_engine(tmp_path / "other", max_steps=2, save_strategy=None)
+    resume(fresh, fifth)
+    assert _same_records(fresh.state.log_history, engine.state.log_history)
+    with pytest.raises(ConfigError, match=rf"{segment_name(1)} does not match its xxh3_128"):
+        resume(make_engine(tmp_path / "other", max_steps=2, save_strategy=None), third)  # shares the altered file
+
+
+def test_the_growth_benchmark_runs_both_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import checkpoint_growth
+
+    results = checkpoint_growth.main(["--job", "tiny", "--rounds", "2", "--every", "300"])
+    assert set(results) == set(checkpoint_growth.MODES)
+    assert all(len(times) == 2 and min(times) > 0 for row in results.values() for times in row.values())
+    table = capsys.readouterr().out
+    assert "segmented (trainbus)" in table and "step 20,000 / step 1,000" in table

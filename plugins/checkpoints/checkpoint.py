@@ -206,7 +206,8 @@ def save_checkpoint(
             files |= _write_listed(tmp, model_folder)
         if not model_only:
             files |= cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
-            files |= cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
+            # the plugins part of engine.state_dict(), without its deep copy of State (the log history grows)
+            files |= cio.write_bundle(tmp, "plugins", {p.name: p.state_dict() for p in engine.plugins})
             for stem, rng in zip(rng_file_stems(len(rng_states)), rng_states, strict=True):
                 files |= cio.write_bundle(tmp, stem, rng)
         # the log history's full segments are linked from the last save, not rewritten (history.py)

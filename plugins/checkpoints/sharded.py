@@ -232,7 +232,7 @@ def _finish(
         layout = gathered[0]["layout"]
         shared = {INDEX: cio.write_json(tmp / INDEX, _index(gathered))} if layout == "fsdp2" else {}
         if plugins:
-            shared |= cio.write_bundle(tmp, "plugins", engine.state_dict()["plugins"])
+            shared |= cio.write_bundle(tmp, "plugins", {p.name: p.state_dict() for p in engine.plugins})
         stems = ["rng"] if len(rng_states) == 1 else [f"rng-{r}" for r in range(len(rng_states))]
         for stem, rng in zip(stems, rng_states, strict=True):
             shared |= cio.write_bundle(tmp, stem, rng)
