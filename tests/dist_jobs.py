@@ -285,7 +285,79 @@ def engine(out: Path) -> dict[str, Any]:
     return results
 
 
-JOBS = {"facade": facade, "crash": crash, "resume": resume, "engine": engine}
+#: the preempted run: rank 0 alone gets SIGTERM at step SIGNAL_AT; the ranks agree every PREEMPTION_EVERY steps
+SIGNAL_AT, PREEMPTION_EVERY = 3, 2
+
+
+def _preempted_trainer(run_dir: Path) -> Any:
+    from trainbus.plugins.control.preemption import Preemption
+
+    trainer = trainer_for(run_dir, "adamw_torch", 0.05, 1, num_train_epochs=3, save_steps=100, logging_steps=2)
+    plugin = trainer.get_plugin(Preemption)
+    assert plugin is not None, "the Trainer installs Preemption by default"
+    plugin.check_every = PREEMPTION_EVERY
+    return trainer
+
+
+def preempt(out: Path) -> dict[str, Any]:
+    """Rank 0 sends itself SIGTERM at step SIGNAL_AT; every rank must stop, save and raise at the same step."""
+    import signal
+
+    from trainbus.engine import Event
+    from trainbus.plugins.control.preemption import TrainingInterrupted
+
+    trainer = _preempted_trainer(out / "preempted")
+    if int(os.environ.get("RANK", "0")) == 0:
+
+        def terminate(event: Any) -> None:
+            if event.engine.state.global_step == SIGNAL_AT:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        trainer.on(Event.STEP_END, terminate)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        trainer.train()
+    except TrainingInterrupted as stop:
+        restored = signal.getsignal(signal.SIGTERM) == before
+        return {"step": stop.step, "code": stop.code, "signal": stop.signal, "checkpoint": stop.checkpoint,
+                "global_step": trainer.state.global_step, "restored": restored}  # fmt: skip
+    raise AssertionError("training was not interrupted")
+
+
+def preempt_resume(out: Path) -> dict[str, Any]:
+    """The preempted run resumed (a fresh launch) from the checkpoint it wrote when it stopped."""
+    trainer = _preempted_trainer(out / "preempted")
+    output = trainer.train(resume_from_checkpoint=True)
+    return {"params": params_of(trainer.model), "log_history": trainer.state.log_history,
+            "training_loss": output.training_loss}  # fmt: skip
+
+
+def preempt_whole(out: Path) -> dict[str, Any]:
+    """The same run, never interrupted."""
+    trainer = _preempted_trainer(out / "whole")
+    output = trainer.train()
+    return {"params": params_of(trainer.model), "log_history": trainer.state.log_history,
+            "training_loss": output.training_loss}  # fmt: skip
+
+
+def unequal(out: Path) -> dict[str, Any]:
+    """Rank 1 loads a shorter data set (16 samples, rank 0 has 20): every rank must fail with the same clear error."""
+    from trainbus.engine import ConfigError
+    from trainbus.plugins import Trainer, TrainingArguments
+
+    rank = int(os.environ.get("RANK", "0"))
+    args = TrainingArguments(str(out / "unequal"), per_device_train_batch_size=per_device_batch(), max_steps=4,
+                             report_to="none", disable_tqdm=True, use_cpu=True, save_strategy="no")  # fmt: skip
+    data = train_set()[: TRAIN_SIZE if rank == 0 else 16]
+    try:
+        Trainer(TokenModel(), args, train_dataset=data).train()
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+JOBS = {"facade": facade, "crash": crash, "resume": resume, "engine": engine, "preempt": preempt,
+        "preempt_resume": preempt_resume, "preempt_whole": preempt_whole, "unequal": unequal}  # fmt: skip
 
 
 if __name__ == "__main__":

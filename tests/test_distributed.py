@@ -101,14 +101,44 @@ def test_two_process_resume_in_a_fresh_launch_is_bit_exact(tmp_path: Path) -> No
     for rank in range(2):
         resumed = results(broken, "resume", rank)
         assert resumed["params"] == reference["params"]  # bit for bit
-        # every step's logged loss, grad_norm and lr; the closing summary's train_loss averages the steps
-        # this launch trained (as a resumed HF run's does), so it is left out
-        steps = [entry for entry in resumed["log_history"] if "loss" in entry]
-        assert steps == [entry for entry in reference["log_history"] if "loss" in entry]
-        assert [e["step"] for e in steps] == list(range(1, 7))
+        # every step's logged loss, grad_norm and lr, and the closing summary: its train_loss is the mean over
+        # the whole run, as if never interrupted (a resumed HF run's covers only the resumed part)
+        assert untimed(resumed["log_history"]) == untimed(reference["log_history"])
+        assert resumed["training_loss"] == reference["training_loss"]
+        assert [e["step"] for e in resumed["log_history"] if "loss" in e] == list(range(1, 7))
         # resumed at step 2 of 6 (one batch per step): 4 training forwards, the first two batches skipped
         assert CRASH_AT_STEP == 3 and resumed["forwards"] == 2 * math.ceil(TRAIN_SIZE / 8) - 2
     assert_same_checkpoints(full / "runs" / RESUMED, broken / "resumed", exact=True)
+
+
+# -- preemption: SIGTERM on one rank ------------------------------------------------------------------------
+def test_sigterm_on_rank_0_stops_every_rank_at_the_same_step_and_resumes_bit_exact(tmp_path: Path) -> None:
+    from dist_jobs import PREEMPTION_EVERY, SIGNAL_AT
+
+    launch_job(JOBS, "preempt", tmp_path, 2)
+    ranks = [results(tmp_path, "preempt", r) for r in range(2)]
+    stop = SIGNAL_AT + (-SIGNAL_AT) % PREEMPTION_EVERY  # the first agreement step at or after the signal
+    for rank in ranks:  # rank 1 got no signal: it learnt of rank 0's at the agreement step
+        assert (rank["step"], rank["global_step"], rank["code"], rank["signal"]) == (stop, stop, 143, 15)
+        assert rank["checkpoint"] == str(tmp_path / "preempted" / f"checkpoint-{stop}")
+        assert rank["restored"]  # the SIGTERM handler from before train() is back
+    assert sorted(p.name for p in (tmp_path / "preempted").glob("checkpoint-*")) == [f"checkpoint-{stop}"]
+    launch_job(JOBS, "preempt_resume", tmp_path, 2)
+    launch_job(JOBS, "preempt_whole", tmp_path, 2)
+    for rank in range(2):
+        resumed, whole = results(tmp_path, "preempt_resume", rank), results(tmp_path, "preempt_whole", rank)
+        assert resumed["params"] == whole["params"]  # bit for bit
+        assert untimed(resumed["log_history"]) == untimed(whole["log_history"])
+        assert resumed["training_loss"] == whole["training_loss"]
+
+
+# -- the ranks agree on the data ------------------------------------------------------------------------------
+def test_ranks_with_different_data_lengths_all_stop_with_a_clear_error(tmp_path: Path) -> None:
+    launch_job(JOBS, "unequal", tmp_path, 2)  # every rank returns (no SIGABRT, no hang)
+    for rank in range(2):
+        error = results(tmp_path, "unequal", rank)["error"]
+        assert error is not None and "the 2 processes disagree on the training data" in error
+        assert "samples: rank 0 has 20, rank 1 has 16" in error and "same data set" in error
 
 
 # -- a hand-composed Engine under accelerate launch --------------------------------------------------------

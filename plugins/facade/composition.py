@@ -18,6 +18,7 @@ from trainbus.engine import ConfigError, Plugin
 from ..checkpoints.checkpoint import Checkpointing, LoadBestModelAtEnd
 from ..control.best_model import BestMetric, check_metric_key, expected_keys
 from ..control.flow import FlowControl
+from ..control.preemption import Preemption
 from ..data.loading import ResumableData
 from ..evaluation.collector import EvalCollector
 from ..evaluation.half_eval import HalfPrecisionEval
@@ -164,6 +165,7 @@ def build_plugins(
     if args.load_best_model_at_end:
         plugins.append(LoadBestModelAtEnd())
     plugins.append(FlowControl.from_args(args))
+    plugins.append(Preemption())  # SIGTERM / a first Ctrl-C: checkpoint at the next step, exit 143 / 130
     plugins.append(
         TrainLogger(
             args.logging_nan_inf_filter,
