@@ -9,7 +9,10 @@ Launch the script with ``torchrun --nproc_per_node N`` or ``accelerate launch``;
 - the micro-batches before the last of an accumulation window run inside ``no_sync()``: one
   gradient all-reduce per optimizer step;
 - the train loader is replaced by this rank's share of each global batch, eval and test loaders
-  by a ``DistributedSampler`` shard (``sharding.py``);
+  by a ``DistributedSampler`` shard (``sharding.py``); the ranks agree on the train data (samples,
+  per-device batch, drop_last when the loader is sharded; batches per epoch at every TRAIN_START),
+  or every rank raises the same ConfigError naming each rank's value: unequal data would otherwise
+  abort the job at the first collective (gloo: SIGABRT) or train unequal shares silently;
 - ``state.is_world_process_zero`` / ``is_local_process_zero`` are set (again at every TRAIN_START,
   since a resume loads rank 0's saved State), so only the main process writes.
 
@@ -33,7 +36,7 @@ from trainbus.engine.errors import check_positive_int
 from .deepspeed import ZeroSteps
 from .fsdp import local_grad_norm, shard_model
 from .processes import close_group_at_exit, world_size
-from .sharding import shard_eval_loader, shard_train_loader
+from .sharding import check_same_data, shard_eval_loader, shard_train_loader
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
@@ -208,6 +211,7 @@ class Distributed(Plugin):
         if self.num_processes == 1:
             return
         self._check_global_batch(engine)
+        check_same_data({"batches per epoch": _batches_per_epoch(engine.train_data)}, "at train start")
         for handle in self._per_batch:
             handle.remove()
         self._per_batch = []
@@ -237,6 +241,14 @@ class Distributed(Plugin):
 
     def _backward_end(self, event: BackwardEndEvent) -> None:
         self._sync_off.close()
+
+
+def _batches_per_epoch(data: Any) -> int | None:
+    """The train loader's batches per epoch (None without a length: an iterable)."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
 
 
 __all__ = ["DDP_OPTIONS", "Distributed"]

@@ -59,6 +59,15 @@ def broadcast_from_main(value: Any) -> Any:
     return box[0]
 
 
+def all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` in rank order, on every rank (pickled in memory; for small facts, not per step)."""
+    if world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def gather_to_main(value: Any) -> list[Any] | None:
     """Every rank's ``value`` in rank order on rank 0; None on the other ranks."""
     if world_size() == 1:
@@ -107,6 +116,7 @@ def _close_group() -> None:
 
 
 __all__ = [
+    "all_gather",
     "all_reduce_sum",
     "barrier",
     "broadcast_from_main",

@@ -23,7 +23,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 from trainbus.engine import ConfigError
 
 from ..data.loading import EpochSampler
-from .processes import broadcast_from_main
+from .processes import all_gather, broadcast_from_main
 
 
 def share(batch: list[int], num_replicas: int, rank: int) -> list[int]:
@@ -102,6 +102,7 @@ def shard_train_loader(loader: Any, num_replicas: int, rank: int) -> DataLoader[
     per_device = int(loader.batch_size)  # type: ignore[arg-type]
     global_batch = per_device * num_replicas
     size = len(sampler) if isinstance(sampler, Sized) else None
+    check_same_data({"samples": size, "per-device batch": per_device, "drop_last": loader.drop_last}, "at setup")
     last = size % global_batch if size is not None else 0
     if last and not loader.drop_last and last < num_replicas:
         raise ConfigError(
@@ -113,6 +114,30 @@ def shard_train_loader(loader: Any, num_replicas: int, rank: int) -> DataLoader[
     return _loader_like(loader, batch_sampler=batches)
 
 
+def check_same_data(facts: dict[str, Any], when: str) -> None:
+    """Raise the same ConfigError on every rank unless every rank has the same ``facts`` about its train data.
+
+    Each rank takes its share of every global batch, so every rank must hold the same data set: with
+    different lengths the ranks make different numbers of steps, and the first collective one of them
+    makes alone aborts the job (gloo: SIGABRT) or hangs it, or, when the step counts happen to agree,
+    the ranks train on unequal shares without a word. One ``all_gather_object`` of a few ints: at setup
+    and at each TRAIN_START, never per step.
+    """
+    every = all_gather(facts)
+    differing = [key for key in facts if len({repr(rank_facts.get(key)) for rank_facts in every}) > 1]
+    if not differing:
+        return
+    detail = "; ".join(
+        f"{key}: " + ", ".join(f"rank {r} has {rank_facts.get(key)!r}" for r, rank_facts in enumerate(every))
+        for key in differing
+    )
+    raise ConfigError(
+        f"the {len(every)} processes disagree on the training data {when} ({detail}); every rank must load the "
+        "same data set with the same batch size (each rank takes its share of every global batch): give every "
+        "process the same train_dataset / DataLoader"
+    )
+
+
 def shard_eval_loader(loader: Any, num_replicas: int, rank: int) -> DataLoader[Any]:
     """Rank ``rank``'s loader of an eval / test set: torch's ``DistributedSampler``, in order."""
     if isinstance(getattr(loader, "sampler", None), DistributedSampler):
@@ -122,4 +147,4 @@ def shard_eval_loader(loader: Any, num_replicas: int, rank: int) -> DataLoader[A
     return _loader_like(loader, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
 
 
-__all__ = ["ShardedBatchSampler", "shard_eval_loader", "shard_train_loader", "share"]
+__all__ = ["ShardedBatchSampler", "check_same_data", "shard_eval_loader", "shard_train_loader", "share"]

@@ -1,6 +1,7 @@
 """Checks of TrainingArguments values, and the tables they read.
 
-Kept apart from ``arguments.py`` so the dataclass stays a list of fields. The central check,
+Kept apart from ``arguments.py`` so the dataclass stays a list of fields (this module does not import it:
+the checks take the arguments object as ``Any``, so the two form no import cycle). The central check,
 ``check_field_types``, compares every field's value with its annotation before ``__post_init__``
 converts anything, so a value of the wrong type (``learning_rate='0.01'``, ``label_names='labels'``)
 fails at construction with the field, the value and what is allowed, instead of a traceback deep in
@@ -19,13 +20,10 @@ import os
 import types
 import typing
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Literal, Union
 
 from trainbus.engine import ConfigError
 from trainbus.engine.errors import check_positive_int
-
-if TYPE_CHECKING:
-    from .arguments import TrainingArguments
 
 #: HF fields trainbus does not implement, with HF's default: passing the default is accepted
 #: (it changes nothing), any other value raises. A hint names the trainbus way when there is one.
@@ -101,7 +99,7 @@ ALLOWED_WORDS: dict[str, str] = {
 INFINITY_ALLOWED = frozenset({"max_grad_norm"})
 
 
-def check_field_types(args: TrainingArguments) -> None:
+def check_field_types(args: Any) -> None:
     """Raise ConfigError for the first field whose value does not fit its annotation (or ``ACCEPTED``).
 
     Numbers: an int fits a float field, a bool fits no number field, and float fields must be finite
@@ -204,7 +202,7 @@ def _show(value: Any) -> str:
     return shown
 
 
-def check_numbers(args: TrainingArguments) -> None:
+def check_numbers(args: Any) -> None:
     """Ranges of the numeric fields (types were checked already)."""
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         check_positive_int(name, getattr(args, name))
@@ -245,7 +243,7 @@ def one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
 
 
-def check_trackers(args: TrainingArguments) -> None:
+def check_trackers(args: Any) -> None:
     """The experiment trackers' settings (types are checked already)."""
     if not args.project:
         raise ConfigError(f"project must be a non-empty string (the tracker's project name), got {args.project!r}")

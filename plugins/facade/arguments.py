@@ -292,10 +292,11 @@ class TrainingArguments(ProcessArguments):
             return
         if self.eval_strategy == IntervalStrategy.NO:
             raise ConfigError("load_best_model_at_end=True needs an eval_strategy other than 'no'")
-        if self.eval_strategy.value != self.save_strategy.value:
+        evals, saves = IntervalStrategy(self.eval_strategy).value, SaveStrategy(self.save_strategy).value
+        if evals != saves:
             raise ConfigError(
                 "load_best_model_at_end requires the save and eval strategy to match (or save_strategy='best'), "
-                f"got eval_strategy={self.eval_strategy.value!r}, save_strategy={self.save_strategy.value!r}"
+                f"got eval_strategy={evals!r}, save_strategy={saves!r}"
             )
         if self.eval_strategy == IntervalStrategy.STEPS:
             assert self.eval_steps is not None

@@ -28,9 +28,10 @@ def check_model(model: Any) -> None:
 def loss_from_outputs(outputs: Any, batch: Any = None) -> torch.Tensor:
     """The engine's ``loss_from_outputs``, with an error that tells a Trainer user what to do."""
     try:
-        return engine_loss_from_outputs(outputs)
+        loss: torch.Tensor = engine_loss_from_outputs(outputs)
     except ValueError:
         raise ConfigError(no_loss_message(outputs, batch)) from None
+    return loss
 
 
 def compute_loss(outputs: Any, batch: Any) -> torch.Tensor:
