@@ -356,8 +356,27 @@ def unequal(out: Path) -> dict[str, Any]:
     return {"error": None}
 
 
+def main_first(out: Path) -> dict[str, Any]:
+    """HF's ``main_process_first``: the main process runs the body (here slowly) before the others enter it."""
+    import time
+
+    from trainbus.plugins import TrainingArguments
+
+    args = TrainingArguments(str(out / "unused"), use_cpu=True, report_to="none")
+    seen = {}
+    for local in (True, False):
+        marker = out / f"made-by-main-{local}"
+        with args.main_process_first(local=local, desc="tokenize"):
+            seen[str(local)] = marker.exists()
+            if args.process_index == 0:
+                time.sleep(1.0)
+                marker.write_text("rank 0")
+    return {"existed_on_entry": seen, "parallel_mode": args.parallel_mode.value, "world_size": args.world_size}
+
+
 JOBS = {"facade": facade, "crash": crash, "resume": resume, "engine": engine, "preempt": preempt,
-        "preempt_resume": preempt_resume, "preempt_whole": preempt_whole, "unequal": unequal}  # fmt: skip
+        "preempt_resume": preempt_resume, "preempt_whole": preempt_whole, "unequal": unequal,
+        "main_first": main_first}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -141,6 +141,15 @@ def test_ranks_with_different_data_lengths_all_stop_with_a_clear_error(tmp_path:
         assert "samples: rank 0 has 20, rank 1 has 16" in error and "same data set" in error
 
 
+# -- HF's main_process_first and parallel_mode ----------------------------------------------------------------
+def test_main_process_first_runs_the_main_process_body_before_the_others(tmp_path: Path) -> None:
+    launch_job(JOBS, "main_first", tmp_path, 2)
+    main, other = results(tmp_path, "main_first", 0), results(tmp_path, "main_first", 1)
+    assert main["existed_on_entry"] == {"True": False, "False": False}  # rank 0 went first and wrote the file
+    assert other["existed_on_entry"] == {"True": True, "False": True}  # rank 1 waited until it was written
+    assert main["parallel_mode"] == other["parallel_mode"] == "distributed" and main["world_size"] == 2
+
+
 # -- a hand-composed Engine under accelerate launch --------------------------------------------------------
 def test_engine_with_distributed_plugin_equals_one_process(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
