@@ -189,7 +189,8 @@ def write_text(path: Path, text: str) -> dict[str, Any]:
 
 def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Write tensors to a safetensors file; returns its manifest entry."""
-    st.save_file(_for_safetensors(tensors), str(path))
+    # {"format": "pt"}: transformers 4's from_pretrained refuses a safetensors file without it
+    st.save_file(_for_safetensors(tensors), str(path), metadata={"format": "pt"})
     return _written(path)
 
 
@@ -347,7 +348,7 @@ def write_manifest(
 # -- model weights --------------------------------------------------------------------------------
 def save_weights(model: torch.nn.Module, path: Path) -> dict[str, Any]:
     """Write the model's state dict to safetensors (tied weights once, as HF does); returns its manifest entry."""
-    st.save_model(model, str(path), force_contiguous=True)
+    st.save_model(model, str(path), metadata={"format": "pt"}, force_contiguous=True)  # see write_tensors
     return _written(path)
 
 

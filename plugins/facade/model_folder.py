@@ -67,6 +67,18 @@ def align_special_tokens(model: Any, processing_class: Any) -> None:
         align(unwrap_model(model), processing_class)
 
 
+def applies_use_cache() -> bool:
+    """Whether the installed transformers' Trainer sets ``model.config.use_cache`` from its arguments (5.x does).
+
+    A port behaves as the transformers it runs beside: under 4.x the config (and config.json) keeps its value.
+    """
+    try:
+        from transformers import TrainingArguments as HFArguments
+    except ImportError:
+        return True
+    return "use_cache" in getattr(HFArguments, "__dataclass_fields__", {})
+
+
 def checkpoint_extras(trainer: Any) -> Any:
     """``fn(directory)`` writing a checkpoint's model-folder files, for the Checkpointing plugin."""
 

@@ -54,7 +54,7 @@ from .composition import Computed as _Computed
 from .composition import TrainOutput, build_plugins, check_metric_for_best_model, set_seed
 from .loss_protocol import accepts_loss_kwargs, honours_num_items, item_counter
 from .model_card import write_model_card
-from .model_folder import align_special_tokens, write_processing_files, write_training_args
+from .model_folder import align_special_tokens, applies_use_cache, write_processing_files, write_training_args
 from .search import hyperparameter_search as _hyperparameter_search
 from .search import takes_trial
 from .trainer_checks import check_model, loss_from_outputs
@@ -130,7 +130,7 @@ class Trainer(TrainerUtilities, Engine):
         self.model_init = model_init
         check_model(model)
         model = model.to(args.device)
-        if getattr(model, "config", None) is not None:
+        if getattr(model, "config", None) is not None and applies_use_cache():
             model.config.use_cache = args.use_cache  # as HF 5: no KV cache in training / evaluation outputs
         self.processing_class = processing_class
         self.compute_loss_func = compute_loss_func
