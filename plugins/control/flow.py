@@ -104,7 +104,8 @@ class FlowControl(Plugin):
     def train_start(self, ev: TrainStartEvent) -> None:
         state = ev.engine.state
         state.logging_steps = self._interval(self.logging_steps, state.max_steps)
-        state.eval_steps = self._interval(self.eval_steps, state.max_steps) or None
+        # without eval_steps HF's TrainerState keeps its default, 500 (in trainer_state.json too)
+        state.eval_steps = self._interval(self.eval_steps, state.max_steps) if self.eval_steps is not None else 500
         state.save_steps = self._interval(self.save_steps, state.max_steps)
         if self.eval_on_start and ev.engine.eval_data is not None:
             ev.engine.control.should_evaluate = True
