@@ -303,14 +303,19 @@ class CallbackAdapter(Plugin):
             return  # HF restores callback states on resume only when asked to
         saved = state.get("callbacks", {})
         seen: dict[str, int] = {}
-        for cb in self.callbacks:
+        for position, cb in enumerate(list(self.callbacks)):
             name = type(cb).__name__
             if name in saved and callable(getattr(cb, "state", None)):
                 index = seen.get(name, 0)
                 seen[name] = index + 1
                 if index < len(saved[name]):
-                    for key, value in saved[name][index].get("attributes", {}).items():
-                        setattr(cb, key, value)
+                    # as HF: a new instance from the saved constructor args, then the saved attributes
+                    entry = saved[name][index]
+                    restored = type(cb)(**entry.get("args", {}))
+                    for key, value in entry.get("attributes", {}).items():
+                        setattr(restored, key, value)
+                    self.callbacks[position] = restored
+        self._sync_step_handlers()
 
 
 def _overrides(callback: Any, name: str) -> bool:
