@@ -15,6 +15,7 @@ from typing import Any
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # the facade
     "facade.arguments": ("TrainingArguments", "IntervalStrategy", "SaveStrategy"),
+    "facade.argument_processes": ("ParallelMode",),
     "facade.trainer": ("Trainer",),
     "facade.seq2seq": ("Seq2SeqTrainer", "Seq2SeqTrainingArguments"),
     "facade.search": ("BestRun", "hyperparameter_search", "default_compute_objective"),
@@ -67,6 +68,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "control.early_stopping": ("EarlyStopping",),
     # run control and observability
     "control.flow": ("FlowControl",),
+    "control.preemption": ("Preemption", "TrainingInterrupted"),
     "observability.logging": ("TrainLogger", "ConsoleSink"),
     "observability.memory": ("MemoryMetrics",),
     "observability.debug": ("UnderflowOverflowDebug",),
