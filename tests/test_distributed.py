@@ -270,14 +270,16 @@ def test_a_checkpoint_from_another_world_size_is_refused(tmp_path: Path) -> None
 def test_readme_train_script_runs_under_torchrun(tmp_path: Path) -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     script = next(block for block in readme.split("```python\n") if block.startswith("# train.py"))
-    (tmp_path / "train.py").write_text(script.split("```")[0])
     outputs = {}
     for processes in (1, 2):
+        run_dir = tmp_path / f"processes-{processes}"  # one run per output_dir: a second run there is refused
+        run_dir.mkdir()
+        (run_dir / "train.py").write_text(script.split("```")[0])
         command = [sys.executable, "train.py"] if processes == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         lines = [line for line in done.stdout.splitlines() if line.startswith("processes=")]
         assert len(lines) == 1, done.stdout  # printed by rank 0 only
