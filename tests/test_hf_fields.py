@@ -195,7 +195,8 @@ def test_empty_cache_every_n_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.parametrize("value", [0, -2, 1.5])
 def test_empty_cache_steps_must_be_positive(value: Any) -> None:
-    with pytest.raises(ConfigError, match=r"torch_empty_cache_steps (\(or None\) must be an integer >= 1|must be an int)"):
+    message = r"torch_empty_cache_steps (\(or None\) must be an integer >= 1|must be an int)"
+    with pytest.raises(ConfigError, match=message):
         TrainingArguments("x", torch_empty_cache_steps=value)
 
 
