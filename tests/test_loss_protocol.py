@@ -188,3 +188,19 @@ def test_the_model_receives_num_items_in_batch_as_in_transformers(tmp_path: Path
     w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
     ((xs @ w - ys) ** 2).mean().backward()
     assert torch.allclose(trainer.model.w.detach(), -w.grad, atol=1e-12, rtol=0)
+
+
+def test_accumulation_across_two_processes_equals_one_batch(tmp_path: Path) -> None:
+    """2 ranks x batch 2 x accumulation 2 (uneven -100 on each rank) equals one process's batch of 8."""
+    from dist_helpers import launch_job, results
+    from family_jobs import FAMILIES_ACROSS
+
+    launch_job(Path(__file__).with_name("family_jobs.py"), "families", tmp_path, 2)
+    got = results(tmp_path, "families")
+    for family in FAMILIES_ACROSS:
+        whole = one_step(family, 8, 1, tmp_path / f"one-{family}")
+        worst = max(
+            (torch.tensor(got[family][name], dtype=torch.float64) - value.reshape(-1)).abs().max().item()
+            for name, value in whole.items()
+        )
+        assert worst < 1e-12, (family, worst)
