@@ -25,7 +25,7 @@ back whatever raised. ``predict()`` uses the training weights.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -154,8 +154,10 @@ class EMA(Plugin):
         self.on(engine, step, self.update, priority=Priority.LAST)  # after anything that edits the weights
         if self.eval_with_ema:
             # swap before HalfPrecisionEval casts (FIRST) and restore after it restored (LAST)
-            self.on(engine, Event.EVAL_START, self._eval_start, priority=Priority.FIRST + 1)
-            self.on(engine, Event.EVAL_END, self._eval_end, priority=Priority.LAST - 1, cleanup=True)
+            self.on(engine, Event.EVAL_START, self._eval_start, priority=Priority.FIRST, before="HalfPrecisionEval")
+            self.on(
+                engine, Event.EVAL_END, self._eval_end, priority=Priority.LAST.after("HalfPrecisionEval"), cleanup=True
+            )
 
     def detach(self, engine: Engine) -> None:
         self.restore(force=True)
@@ -274,6 +276,11 @@ class EMA(Plugin):
             yield engine.model
         finally:
             self.restore(force=True)
+
+    def weights_to_save(self, engine: Engine) -> AbstractContextManager[Any] | None:
+        """The save-model protocol (``Trainer.save_model`` enters what plugins offer): with ``save_averaged``
+        the model holds the averaged weights while the final model is written."""
+        return self.swapped(engine) if self.save_averaged else None
 
     def averaged_state_dict(self, engine: Engine | None = None) -> dict[str, torch.Tensor]:
         """The model's ``state_dict()`` with the averages in place of the weights, for saving.

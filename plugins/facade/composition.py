@@ -23,6 +23,7 @@ from ..data.loading import ResumableData
 from ..evaluation.collector import EvalCollector
 from ..evaluation.half_eval import HalfPrecisionEval
 from ..observability.debug import UnderflowOverflowDebug
+from ..observability.flos import FloCounter, has_flos_estimate
 from ..observability.logging import SINKS, TrainLogger
 from ..observability.memory import MemoryMetrics
 from ..observability.progress import Printer, ProgressBars
@@ -115,6 +116,7 @@ def build_plugins(
                     args.gradient_accumulation_steps,
                     count_items=trainer._count_items,  # what the model's loss averages over (loss_protocol)
                     across_processes=args.average_tokens_across_devices,
+                    prescaled=trainer._loss_is_scaled_for_ga,  # asked at TRAIN_START (HF's loss_is_scaled_for_ga)
                 )
             )
     optim = optimizer_spec(str(args.optim))
@@ -180,6 +182,14 @@ def build_plugins(
         plugins.append(getattr(trainer, "memory_metrics", None) or MemoryMetrics())
     plugins.extend(_sinks(args))
     return plugins
+
+
+def flo_counter(trainer: Any) -> FloCounter | None:
+    """The Trainer's FloCounter when there is an estimate to count (HF counts for transformers models): the
+    model's own ``floating_point_ops`` or ``num_parameters``, or a subclass's ``floating_point_ops``."""
+    if has_flos_estimate(trainer.model) or trainer.overrides("floating_point_ops"):
+        return trainer.flo_counter  # type: ignore[no-any-return]
+    return None
 
 
 #: the library a sink needs, for report_to="all"

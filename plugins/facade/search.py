@@ -37,10 +37,10 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
-from trainbus.engine import ConfigError, EvalEndEvent, Event, Plugin, Priority
+from trainbus.engine import ConfigError, Plugin
 from trainbus.engine.errors import suggest
 
-from ..control.best_model import eval_prefixes
+from ..control.pruning import TrialPruning, number
 from ..evaluation.collector import EvalCollector
 from .arguments import UNSUPPORTED, TrainingArguments
 
@@ -106,76 +106,6 @@ def default_hp_space_optuna(trial: Any) -> dict[str, Any]:
         "seed": trial.suggest_int("seed", 1, 40),
         "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [4, 8, 16, 32, 64]),
     }
-
-
-class TrialPruning(Plugin):
-    """Reports the objective of each evaluation during training to a trial; stops the run when it is pruned.
-
-    At EVAL_END (last priority, when every metric is in the payload) it computes
-    ``compute_objective(metrics)`` and keeps it in ``objective``; with ``report`` it calls
-    ``trial.report(objective, global_step)`` and, when ``trial.should_prune()``, sets ``pruned`` and
-    ``control.should_training_stop``: the run ends cleanly (TRAIN_END fires, sinks close their files,
-    callbacks see on_train_end) and the caller raises ``optuna.TrialPruned`` after ``train()``
-    returns. With a dict of eval sets, the objective is computed once all sets have reported.
-    Evaluations outside ``fit`` are ignored, as in HF. ``hyperparameter_search`` attaches it with
-    ``pruning.attach(trainer)`` rather than ``add_plugin``, so that it is not in the trial's
-    checkpoints and a Trainer without it can resume from them.
-
-    Args:
-        trial: the optuna trial (anything with ``report(value, step)`` and ``should_prune()``).
-        compute_objective: metrics -> objective (a number; a list of numbers when ``report`` is False).
-        report: report to the trial and prune (False for multi-objective studies, which optuna cannot prune).
-
-    Example:
-        >>> class Trial:
-        ...     def report(self, value, step): print("report", value, step)
-        ...     def should_prune(self): return False
-        >>> pruning = TrialPruning(Trial(), default_compute_objective)
-    """
-
-    priority = Priority.LAST
-
-    def __init__(self, trial: Any, compute_objective: Callable[[dict[str, Any]], Any], *, report: bool = True) -> None:
-        if not callable(compute_objective):
-            raise ConfigError(f"compute_objective must be a function, got {type(compute_objective).__name__}")
-        self.trial = trial
-        self.compute_objective = compute_objective
-        self.report = report
-        self.objective: Any = None  # of the latest evaluation during training
-        self.pruned = False
-        self.pruned_at: int | None = None  # the global step at which the trial was pruned
-        self._training = False
-        self._metrics: dict[str, Any] = {}
-
-    def attach(self, engine: Any) -> None:
-        self.on(engine, Event.TRAIN_START, self.train_start, priority=Priority.FIRST)
-        self.on(engine, Event.TRAIN_END, self.train_end, priority=Priority.LAST)
-        self.on(engine, Event.EVAL_END, self.eval_end)
-
-    def train_start(self, ev: Any) -> None:
-        self._training, self._metrics = True, {}
-
-    def train_end(self, ev: Any) -> None:
-        self._training = False
-
-    def eval_end(self, ev: EvalEndEvent) -> None:
-        if not self._training:
-            return
-        prefixes = eval_prefixes(ev.engine.eval_data)
-        if ev.prefix not in prefixes:
-            return  # an evaluation on other data (a callback's), not the Trainer's eval set
-        self._metrics.update(ev.metrics)
-        if ev.prefix != prefixes[-1]:
-            return  # more named eval sets of this evaluation to come
-        metrics, self._metrics = self._metrics, {}
-        self.objective = self.compute_objective(dict(metrics))
-        if not self.report:
-            return
-        step = ev.engine.state.global_step
-        self.trial.report(_number(self.objective, "compute_objective"), step)
-        if self.trial.should_prune():
-            self.pruned, self.pruned_at = True, step
-            ev.engine.control.should_training_stop = True
 
 
 def hyperparameter_search(
@@ -356,13 +286,6 @@ def _import_optuna() -> Any:
     return optuna
 
 
-def _number(value: Any, what: str) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what} must return a number, got {value!r:.80}") from None
-
-
 def _check_objective(value: Any, n_objectives: int) -> float | list[float]:
     if n_objectives == 1:
         if isinstance(value, Sequence) and not isinstance(value, str):
@@ -375,13 +298,13 @@ def _check_objective(value: Any, n_objectives: int) -> float | list[float]:
                 "compute_objective returned None (no eval_loss in the metrics?); return a number computed from "
                 "the evaluation metrics"
             )
-        return _number(value, "compute_objective")
+        return number(value, "compute_objective")
     if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != n_objectives:
         raise ConfigError(
             f"with {n_objectives} directions compute_objective must return a list of {n_objectives} numbers, "
             f"got {value!r:.80}"
         )
-    return [_number(v, "compute_objective") for v in value]
+    return [number(v, "compute_objective") for v in value]
 
 
 def takes_trial(model_init: Callable[..., Any]) -> bool:

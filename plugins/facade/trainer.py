@@ -10,12 +10,10 @@ Subclass overrides of ``compute_loss``, ``training_step``, ``prediction_step``, 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,9 +22,7 @@ from trainbus.engine import ConfigError, Engine, Event, LogEvent, Plugin, Priori
 from trainbus.hooks import forward as default_forward
 from trainbus.hooks import get_labels
 
-from ..averaging.ema import EMA
 from ..checkpoints import checkpoint as ckpt
-from ..checkpoints.sharded import save_full_model, saved_by_every_rank
 from ..data.length_grouping import main_input_name_of, train_sampler
 from ..data.loading import (
     DataCollatorWithPadding,
@@ -41,20 +37,20 @@ from ..data.loading import (
 from ..distributed.batch_size import train_with_executable_batch_size
 from ..distributed.fsdp import fsdp_plugin
 from ..distributed.plugin import Distributed
-from ..distributed.processes import barrier
 from ..evaluation.collector import PredictionOutput, hf_prediction_step
+from ..observability.flos import FloCounter
 from ..observability.logging import TrainLogger
 from ..observability.memory import MemoryMetrics
-from ..optimization.accumulation import GradientAccumulation
 from ..optimization.optimizers import create_optimizer, fused_adamw_supported, parameter_groups
 from ..optimization.schedulers import LRScheduler, create_scheduler
 from .arguments import TrainingArguments
 from .callbacks import CallbackAdapter
 from .composition import Computed as _Computed
-from .composition import TrainOutput, build_plugins, check_metric_for_best_model, set_seed
+from .composition import TrainOutput, build_plugins, check_metric_for_best_model, flo_counter, set_seed
 from .loss_protocol import accepts_loss_kwargs, honours_num_items, item_counter
 from .model_card import write_model_card
-from .model_folder import align_special_tokens, applies_use_cache, write_processing_files, write_training_args
+from .model_folder import align_special_tokens, applies_use_cache
+from .saving import save_model as save_final_model
 from .search import hyperparameter_search as _hyperparameter_search
 from .search import takes_trial
 from .trainer_checks import check_model, loss_from_outputs
@@ -90,7 +86,6 @@ class Trainer(TrainerUtilities, Engine):
     #: HF: whether compute_loss's loss is already normalised over the accumulation window (None: only
     #: when a compute_loss_func made it from num_items_in_batch); a subclass with its own loss may set it
     loss_is_scaled_for_ga: bool | None = None
-    _accumulation: GradientAccumulation | None = None  # this run's accumulation plugin (set by train)
 
     def __init__(
         self,
@@ -116,6 +111,7 @@ class Trainer(TrainerUtilities, Engine):
         if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
             raise ConfigError("pass either optimizers=(optimizer, scheduler) or optimizer_cls_and_kwargs, not both")
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        self.flo_counter = FloCounter(self.floating_point_ops)  # a subclass's floating_point_ops counts (HF)
         self.memory_metrics = None if args.skip_memory_metrics else MemoryMetrics()
         if self.memory_metrics is not None:
             self.memory_metrics.start("init")  # HF measures the constructor as the "init" stage
@@ -194,7 +190,9 @@ class Trainer(TrainerUtilities, Engine):
         # as accelerate's loader under HF: batch i+1 is made before step i runs, so a random collator's
         # draws (masked LM) come in the same order relative to the step's dropout
         self.wrap_hook("epoch_iterator", lambda inner: lambda *a: fetch_one_ahead(inner(*a)))
-        self._count_flos_when_known()
+        counter = flo_counter(self)  # last: its FIRST handlers run after those registered before it
+        if counter is not None:
+            self.add_plugin(counter)
         if self.memory_metrics is not None:
             self.memory_metrics.stop("init")
         self.callback_handler.init_end(self)
@@ -233,7 +231,7 @@ class Trainer(TrainerUtilities, Engine):
         self.set_hook("prediction_step", self._prediction_step_hook)
         if cls.log is not Trainer.log:
             # after TrainLogger filled a logging point's record, before history and sinks read it
-            self.on(Event.LOG, self._log_through_override, priority=Priority.PRODUCER - 1, name="Trainer.log")
+            self.on(Event.LOG, self._log_through_override, priority=Priority.PRODUCER.after("*"), name="Trainer.log")
 
     def _log_through_override(self, ev: LogEvent) -> None:
         """A logging point's record goes through the subclass's ``log`` (HF calls ``self.log(logs, start_time)``)."""
@@ -260,13 +258,11 @@ class Trainer(TrainerUtilities, Engine):
     def _num_items_in_batch(self, batch: Any) -> Any:
         """HF's ``num_items_in_batch``: the items (labels not -100) of this step's whole accumulation window.
 
-        Counted once per window by the accumulation plugin (across processes with
-        average_tokens_across_devices); without one, the items of this batch.
+        The accumulation plugin counts them once per window (across processes with
+        average_tokens_across_devices) into ``step_outputs``; without one, the items of this batch.
         """
-        accumulation = self._accumulation
-        if accumulation is not None:
-            return accumulation.window_items
-        return self._count_items(batch)
+        items = self.step_outputs.get("num_items_in_batch")
+        return items if items is not None else self._count_items(batch)
 
     def _loss_is_scaled_for_ga(self) -> bool:
         """Whether the loss is already normalised over the window (HF's ``loss_is_scaled_for_ga``).
@@ -514,16 +510,10 @@ class Trainer(TrainerUtilities, Engine):
             self.create_optimizer_and_scheduler(num_training_steps=self._plan()[0])  # HF: a subclass's runs
         else:
             self.create_optimizer()
-        # looked up once per run, not per micro-batch (_num_items_in_batch reads it on the hot path)
-        accumulation = self.get_plugin(GradientAccumulation)
-        self._accumulation = accumulation if isinstance(accumulation, GradientAccumulation) else None
-        if self._accumulation is not None:
-            self._accumulation.prescaled = self._loss_is_scaled_for_ga()
         if self.distributed is not None:
             self.distributed.prepare_optimizer(self)  # DeepSpeed builds its engine before a resume loads into it
         self.state = State()
         self.state.train_batch_size = self._train_batch_size
-        self.current_flos, self._non_embedding_parameters = 0.0, None
         with ckpt.claim_run(self, resume_from_checkpoint):  # output_dir locked; a fresh run keeps others' checkpoints
             if resume_from_checkpoint:
                 ckpt.resume(self, resume_from_checkpoint, self.args.output_dir)
@@ -581,25 +571,11 @@ class Trainer(TrainerUtilities, Engine):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save a loadable final model (``save_pretrained`` for HF models) and its model card to output_dir.
 
-        The main process writes.
-        With an ``EMA`` plugin the averaged weights are saved (its ``save_averaged=False`` keeps the
-        training weights).
+        The main process writes. A plugin may put other weights in the model while it is saved (the
+        save-model protocol, ``saving.py``): with an ``EMA`` plugin the averaged weights are saved (its
+        ``save_averaged=False`` keeps the training weights).
         """
-        ema = self.get_plugin(EMA)
-        averaged = ema.swapped(self) if isinstance(ema, EMA) and ema.save_averaged else contextlib.nullcontext()
-        try:
-            if saved_by_every_rank(self.model):  # FSDP / ZeRO-3: every rank sends its part, the main one writes
-                save_full_model(self.model, output_dir or self.args.output_dir, write=self.args.should_save)
-            elif self.args.should_save:
-                with averaged:
-                    ckpt.save_model(self.model, output_dir or self.args.output_dir)
-            if self.args.should_save:
-                directory = Path(output_dir or self.args.output_dir)
-                write_processing_files(self.processing_class, directory)
-                write_training_args(self.args, directory)  # HF's training_args.bin, as JSON
-                write_model_card(self, output_dir)  # README.md next to the model (after peft's, which it replaces)
-        finally:
-            barrier()  # every rank returns once the model is on disk
+        save_final_model(self, output_dir)
 
     @property
     def accelerator(self) -> Any:

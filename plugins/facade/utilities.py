@@ -12,20 +12,18 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from trainbus.engine import ConfigError, Event, Priority
+from trainbus.engine import ConfigError
 
 from ..distributed.processes import all_reduce_sum, collective_device, world_size
 from ..evaluation.collector import EvalLoopOutput
+from ..observability.flos import FloCounter
 from ..optimization.optimizers import get_decay_parameter_names, optimizer_cls_and_kwargs
-
-if TYPE_CHECKING:
-    from trainbus.engine import Payload
 
 
 class TrainerUtilities:
@@ -38,8 +36,7 @@ class TrainerUtilities:
     state: Any
     label_names: Any
     _count_items: Any  # fn(batch) -> the items the model's loss averages over (loss_protocol.item_counter)
-    current_flos: float = 0.0
-    _non_embedding_parameters: int | None = None
+    flo_counter: FloCounter  # HF's FLOs (attached by composition when the model has an estimate)
 
     # -- optimizer and parameters ------------------------------------------------------------------
     def _need_optimizer(self) -> torch.optim.Optimizer:
@@ -114,47 +111,27 @@ class TrainerUtilities:
         steps_in_epoch = batches if batches is not None else max_steps * k
         return epochs, per_epoch, examples, samples, total_batch, steps_in_epoch, max_steps
 
-    # -- floating point operations ----------------------------------------------------------------
+    # -- floating point operations (the FloCounter plugin counts; composition.flo_counter) --------
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """FLOs of one forward and backward on ``inputs`` (HF): the model's own ``floating_point_ops`` if it has
-        one, else for transformers models 6 x main-input elements x non-embedding parameters, else 0."""
-        model: Any = self.model
-        own = getattr(model, "floating_point_ops", None)
-        if callable(own):
-            return int(own(inputs))
-        main_input = getattr(model, "main_input_name", "input_ids")
-        if main_input not in inputs or not callable(getattr(model, "num_parameters", None)):
-            return 0
-        if self._non_embedding_parameters is None:  # counted once: HF walks every parameter per batch
-            self._non_embedding_parameters = int(model.num_parameters(exclude_embeddings=True))
-        return 6 * int(inputs[main_input].numel()) * self._non_embedding_parameters
+        one, else for transformers models 6 x main-input elements x non-embedding parameters, else 0.
+
+        The FloCounter plugin calls this method per micro-batch, so a subclass's override is what counts."""
+        return self.flo_counter.estimate(inputs, self.model)
 
     def store_flos(self) -> None:
         """Add the FLOs counted since the last call to ``state.total_flos`` (summed over processes, as HF)."""
-        flos, self.current_flos = self.current_flos, 0.0
-        if world_size() > 1:
-            flos = float(all_reduce_sum(torch.tensor(flos, dtype=torch.float64, device=collective_device())).item())
-        self.state.total_flos += flos
-
-    def _count_flos_when_known(self) -> None:
-        """Count FLOs per micro-batch only when there is an estimate (HF counts for transformers models)."""
-        model = self.model
-        estimate = callable(getattr(model, "floating_point_ops", None)) or callable(
-            getattr(model, "num_parameters", None)
-        )
-        if not estimate and type(self).floating_point_ops is TrainerUtilities.floating_point_ops:
-            return
         engine: Any = self
-        engine.on(Event.LOSS, self._add_flos, name="Trainer.floating_point_ops")
-        for event in (Event.LOG, Event.SAVE, Event.TRAIN_END):  # before logs, checkpoints and train metrics read it
-            engine.on(event, self._store_flos_handler, priority=Priority.FIRST, name="Trainer.store_flos")
+        self.flo_counter.store(engine)
 
-    def _add_flos(self, ev: Any) -> None:
-        if isinstance(ev.batch, Mapping):  # a collator's BatchEncoding is a UserDict, not a dict
-            self.current_flos += float(self.floating_point_ops(ev.batch))  # shapes only: no host sync
+    @property
+    def current_flos(self) -> float:
+        """FLOs counted since they were last added to ``state.total_flos`` (HF)."""
+        return self.flo_counter.current_flos
 
-    def _store_flos_handler(self, ev: Payload) -> None:
-        self.store_flos()
+    @current_flos.setter
+    def current_flos(self, value: float) -> None:
+        self.flo_counter.current_flos = float(value)
 
     # -- metrics and state files -----------------------------------------------------------------
     @staticmethod

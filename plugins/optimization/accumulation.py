@@ -78,6 +78,12 @@ class GradientAccumulation(Plugin):
             default ``count_items`` (non -100 integer labels, else label elements, else samples).
         across_processes: with several processes, count the window's items on all ranks (HF's
             ``average_tokens_across_devices``, default); False normalises each rank by its own items.
+        prescaled: the loss is already normalised over the window by user code that divides by the
+            window's items (HF's ``loss_is_scaled_for_ga``): only the across-process factor applies.
+            A callable is asked at every TRAIN_START (the Trainer passes its ``_loss_is_scaled_for_ga``).
+
+    The window's item count (HF's ``num_items_in_batch``) is published at STEP_START in
+    ``engine.step_outputs["num_items_in_batch"]``, where the Trainer's compute_loss reads it.
 
     Example:
         >>> import torch
@@ -92,7 +98,14 @@ class GradientAccumulation(Plugin):
 
     priority = Priority.PRODUCER
 
-    def __init__(self, steps: int, count_items: CountItems | None = None, *, across_processes: bool = True) -> None:
+    def __init__(
+        self,
+        steps: int,
+        count_items: CountItems | None = None,
+        *,
+        across_processes: bool = True,
+        prescaled: bool | Callable[[], bool] = False,
+    ) -> None:
         check_positive_int("gradient accumulation steps", steps)
         if count_items is not None and not callable(count_items):
             raise TypeError(f"count_items must be callable, got {count_items!r}")
@@ -114,7 +127,8 @@ class GradientAccumulation(Plugin):
         self.window_items: Count = 0
         #: the loss is already normalised over the window by user code that divides by
         #: ``window_items`` (HF's ``loss_is_scaled_for_ga``): only the across-process factor applies
-        self.prescaled = False
+        self.prescaled = bool(prescaled) if not callable(prescaled) else False
+        self._prescaled_source = prescaled if callable(prescaled) else None
 
     def attach(self, engine: Engine) -> None:
         engine.accumulation_steps = self.steps
@@ -128,6 +142,8 @@ class GradientAccumulation(Plugin):
         # possibly wrapped after attach): without them the hot path builds no payload per batch
         engine = event.engine
         self._processes = world_size() if self.across_processes else 1  # read once per run, not per window
+        if self._prescaled_source is not None:
+            self.prescaled = bool(self._prescaled_source())
         if callable(getattr(engine.model, "no_sync", None)) and not self._ddp_handles:
             self._ddp_handles = [
                 self.on(engine, Event.BATCH_START, self.batch_start, priority=Priority.LAST),
@@ -156,6 +172,7 @@ class GradientAccumulation(Plugin):
         else:
             self._factors, self.window_items = window_factors(counts, self._processes, with_total=True)
         self._per_micro = None  # tensor weights are cast to the loss's device and dtype at the first LOSS
+        event.engine.step_outputs["num_items_in_batch"] = self.window_items  # HF's num_items_in_batch
 
     def scale_loss(self, event: LossEvent) -> None:
         per_micro = self._per_micro
