@@ -42,6 +42,12 @@ def closed_form(name: str, s: int, total: int, w: int, kw: dict[str, Any]) -> fl
         if s < w:
             return warm
         return max(0.0, rate + (1 - rate) * 0.5 * (1 + math.cos(2 * math.pi * kw.get("num_cycles", 0.5) * after)))
+    if name == "cosine_warmup_with_min_lr":  # warmup ends at 1 on its last step; the decay starts moving at once
+        rate, warm_from = kw["min_lr"] / BASE_LR, kw.get("warmup_lr_rate")
+        if s < w:
+            return (s + 1) / max(1, w) if warm_from is None else warm_from + (1 - warm_from) * s / max(1, w - 1)
+        moved = (s - w + 1) / max(1, total - w)
+        return max(0.0, rate + (1 - rate) * 0.5 * (1 + math.cos(2 * math.pi * kw.get("num_cycles", 0.5) * moved)))
     if name == "cosine_with_restarts":
         if s < w:
             return warm
@@ -85,8 +91,10 @@ def schedule_cases(draw: st.DrawFn) -> tuple[str, int, int, float, dict[str, Any
         kw["num_cycles"] = draw(st.sampled_from([0.5, 1.0, 1.5, 2.0]))
     if name == "cosine_with_restarts":
         kw["num_cycles"] = draw(st.integers(1, 4))
-    if name == "cosine_with_min_lr":
+    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
         kw["min_lr"] = draw(st.floats(0.0, BASE_LR / 2))
+    if name == "cosine_warmup_with_min_lr" and draw(st.booleans()):
+        kw["warmup_lr_rate"] = draw(st.floats(0.0, 0.5))
     if name == "polynomial":
         kw = {"lr_end": draw(st.floats(0.0, BASE_LR / 2)), "power": draw(st.floats(0.5, 3.0))}
     if name == "inverse_sqrt" and draw(st.booleans()):

@@ -57,6 +57,26 @@ def cosine_factor(
     return max(0.0, factor * (1.0 - min_lr_rate) + min_lr_rate)
 
 
+def cosine_warmup_with_min_lr_factor(
+    step: int,
+    *,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    num_cycles: float = 0.5,
+    min_lr_rate: float = 0.0,
+    warmup_lr_rate: float | None = None,
+) -> float:
+    """HF's ``cosine_warmup_with_min_lr``: the warmup reaches 1 on its last step (from ``warmup_lr_rate``
+    when given, else from 1 / warmup) and the cosine already moves on the first step after it."""
+    if step < num_warmup_steps:
+        if warmup_lr_rate is None:
+            return (step + 1) / max(1, num_warmup_steps)
+        return warmup_lr_rate + (1.0 - warmup_lr_rate) * step / max(1, num_warmup_steps - 1)
+    progress = (step - num_warmup_steps + 1) / max(1, num_training_steps - num_warmup_steps)
+    factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+    return max(0.0, factor * (1.0 - min_lr_rate) + min_lr_rate)
+
+
 def cosine_with_restarts_factor(
     step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: int = 1
 ) -> float:
@@ -129,6 +149,7 @@ SCHEDULER_KWARGS: dict[str, tuple[str, ...]] = {
     "inverse_sqrt": ("timescale",),
     "reduce_lr_on_plateau": tuple(p for p in inspect.signature(ReduceLROnPlateau).parameters if p != "optimizer"),
     "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
     "warmup_stable_decay": (
         "num_decay_steps",
         "num_stable_steps",
@@ -218,12 +239,13 @@ def _lambda(
             power=kw.get("power", 1.0),
             lr_init=lr_init,
         )
-    # cosine_with_min_lr
+    # cosine_with_min_lr, cosine_warmup_with_min_lr
     min_lr, rate = kw.pop("min_lr", None), kw.pop("min_lr_rate", None)
     if (min_lr is None) == (rate is None):
-        raise ConfigError("cosine_with_min_lr needs exactly one of lr_scheduler_kwargs['min_lr'] or ['min_lr_rate']")
+        raise ConfigError(f"{name} needs exactly one of lr_scheduler_kwargs['min_lr'] or ['min_lr_rate']")
     rate = min_lr / lr_init if min_lr is not None else rate
-    return partial(cosine_factor, num_warmup_steps=warmup, num_training_steps=total, min_lr_rate=rate, **kw)
+    factor = cosine_warmup_with_min_lr_factor if name == "cosine_warmup_with_min_lr" else cosine_factor
+    return partial(factor, num_warmup_steps=warmup, num_training_steps=total, min_lr_rate=rate, **kw)
 
 
 def create_scheduler(
