@@ -188,3 +188,14 @@ def test_save_model_writes_a_model_folder_without_pickle(tmp_path: Path) -> None
     assert AutoTokenizer.from_pretrained(out)("good bad")["input_ids"] == tokenizer("good bad")["input_ids"]
     assert json.loads((out / "training_args.json").read_text())["learning_rate"] == trainer.args.learning_rate
     assert not [p.name for p in out.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
+
+
+def test_a_finished_pass_moves_the_shuffle_on_without_set_epoch() -> None:
+    """A custom loader that wraps trainbus's and never calls set_epoch still gets a new order each epoch."""
+    from trainbus.plugins.data.loading import EpochSampler
+
+    sampler = EpochSampler(20, seed=0)
+    first, second = list(sampler), list(sampler)
+    assert first != second and sorted(first) == sorted(second) == list(range(20))
+    sampler.set_epoch(0)
+    assert list(sampler) == first  # set_epoch still pins the order (resume)

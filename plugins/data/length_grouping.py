@@ -74,7 +74,8 @@ class LengthGroupedEpochSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         self.inner.generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(self.inner)
+        yield from self.inner
+        self.epoch += 1  # a finished pass moves on by itself, as EpochSampler does
 
 
 def example_lengths(dataset: Any, length_column_name: str, model_input_name: str | None) -> list[int]:

@@ -185,7 +185,10 @@ class EpochSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
+        yield from torch.randperm(self.size, generator=generator).tolist()
+        # a finished pass moves on by itself (as accelerate's seedable sampler does): a loader that
+        # wraps this one and does not forward set_epoch still gets a new order every epoch
+        self.epoch += 1
 
 
 class _SkipBatchSampler(Sampler[list[int]]):
