@@ -50,7 +50,7 @@ class LengthGroupedEpochSampler(Sampler[int]):
         >>> order = list(s)
         >>> sorted(order), order[0]  # every example once, the longest first
         ([0, 1, 2, 3], 1)
-        >>> s.set_epoch(1); list(s) == list(s)  # one order per epoch
+        >>> s.set_epoch(1); again = list(s); s.set_epoch(1); again == list(s)  # one order per epoch
         True
     """
 
