@@ -50,7 +50,7 @@ class ProgressBars(Plugin):
         self.on(engine, Event.PREDICT_END, self.eval_end)
         self.on(engine, Event.LOG, self.log)
         # after the final train metrics are logged (TrainLogger logs them at TRAIN_END, PRODUCER)
-        self.on(engine, Event.TRAIN_END, self.train_end, priority=Priority.LAST)
+        self.on(engine, Event.TRAIN_END, self.train_end, priority=Priority.LAST, cleanup=True)  # failed runs too
 
     def detach(self, engine: Engine) -> None:
         self._close_all()

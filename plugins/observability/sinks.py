@@ -210,7 +210,8 @@ class TensorBoardSink(Plugin):
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.LOG, self.log)
-        self.on(engine, Event.TRAIN_END, self.close, priority=Priority.LAST)  # after the final train metrics
+        # after the final train metrics; also when training fails (cleanup): the file is closed either way
+        self.on(engine, Event.TRAIN_END, self.close, priority=Priority.LAST, cleanup=True)
 
     def detach(self, engine: Engine) -> None:
         self.close(None)

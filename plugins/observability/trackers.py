@@ -122,7 +122,8 @@ class TrackerSink(Plugin):
         self.on(engine, Event.TRAIN_START, self.train_start)
         self.on(engine, Event.LOG, self.log)
         self.on(engine, Event.EVAL_END, self.eval_end, priority=Priority.LAST)
-        self.on(engine, Event.TRAIN_END, self.train_end, priority=Priority.LAST)  # after the final train metrics
+        # after the final train metrics; also when training fails (cleanup): the tracker's run is finished
+        self.on(engine, Event.TRAIN_END, self.train_end, priority=Priority.LAST, cleanup=True)
 
     def detach(self, engine: Engine) -> None:
         self._finish()
