@@ -25,17 +25,17 @@ import contextlib
 import logging
 import os
 import shutil
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority, State
+from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority
 from trainbus.engine.events import (
     EpochEndEvent,
     EvalEndEvent,
+    EvalStartEvent,
     Payload,
     SaveEvent,
     StepEndEvent,
@@ -43,12 +43,15 @@ from trainbus.engine.events import (
     TrainStartEvent,
 )
 
-from ..distributed.processes import barrier, broadcast_from_main, gather_to_main, rank
+from ..control.flow import SaveSchedule, interval
+from ..control.strategies import SaveStrategy
+from ..distributed.processes import barrier, gather_to_main, rank
 from . import io as cio
-from .directory import PREFIX, delete_checkpoint, latest_checkpoint, list_checkpoints, publish_directory, tidy
-from .frozen import base_fingerprint, check_base, trainable_state_dict
+from .directory import PREFIX, latest_checkpoint, list_checkpoints, publish_directory
+from .frozen import base_fingerprint, trainable_state_dict
 from .history import write_trainer_state
 from .io import load_model_weights, save_model
+from .load_best import LoadBestModelAtEnd
 from .lock import OutputDirLock, claim_output_dir, lock_on_main
 from .resuming import (
     chosen_by_main,
@@ -57,11 +60,9 @@ from .resuming import (
     resume,
     resumed_batch_size,
     rng_file_stems,
-    verify_best_weights,
 )
-from .safety import DamagedCheckpoint
-from .sharded import SHARDED, load_model_shards, save_sharded_checkpoint, saved_by_every_rank
-from .verified import read_manifest
+from .rotation import checkpoints_to_keep, delete_or_warn, rotate_checkpoints, same_path
+from .sharded import save_sharded_checkpoint, saved_by_every_rank
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -86,72 +87,6 @@ __all__ = [
     "save_checkpoint",
     "save_model",
 ]
-
-
-# -- rotation -------------------------------------------------------------------------------------
-def _same(a: str | Path | None, b: Path) -> bool:
-    return a is not None and Path(a).resolve() == b.resolve()
-
-
-def checkpoints_to_keep(steps: list[int], limit: int, best: int | None) -> set[int]:
-    """Which of ``steps`` (ordered oldest to newest) rotation keeps (HF's rule).
-
-    The newest ``limit`` stay; when the best is older than those, it stays instead of the oldest
-    of them, except that the newest always stays (so ``limit=1`` keeps best and newest: 2).
-    """
-    if limit < 1:
-        raise ConfigError(f"save_total_limit must be an integer >= 1 or None, got {limit!r}")
-    if best is None or best not in steps or best in steps[-limit:]:
-        return set(steps[-limit:])
-    newest = steps[-max(limit - 1, 1) :]
-    return {best, *newest}
-
-
-def rotate_checkpoints(
-    output_dir: str | Path, limit: int | None, best: str | Path | None = None, written: Sequence[str | Path] = ()
-) -> list[Path]:
-    """Delete complete checkpoints beyond ``limit`` (never the best nor the newest); returns the deleted.
-
-    ``written`` lists the checkpoints this run wrote, oldest first: they count as more recent than
-    any other, so checkpoints an earlier run left with higher step numbers rotate out first and
-    the checkpoint just written is never the one deleted.
-    Incomplete directories are not counted and not touched, except what processes that no longer run
-    left behind (``directory.tidy``: an interrupted re-save's copy is put back, the rest removed).
-    A checkpoint that cannot be deleted (permissions, a busy file system) is warned about and kept:
-    rotation only saves disk space, and the run goes on.
-    """
-    root = Path(output_dir)
-    try:
-        tidy(root)
-    except OSError as exc:
-        _warn(f"checkpoint rotation could not tidy {root}: {exc}; the run goes on")
-    found = list_checkpoints(output_dir)
-    if limit is None or not found:
-        return []
-    best_step = next((step for step, path in found if _same(best, path)), None)
-    ours = [step for path in written for step, found_path in found if _same(path, found_path)]
-    by_recency = [step for step, _ in found if step not in ours] + ours
-    keep = checkpoints_to_keep(by_recency, limit, best_step)
-    deleted = []
-    for step, path in found:
-        if step not in keep and _delete(path):
-            deleted.append(path)
-    return deleted
-
-
-def _delete(path: Path) -> bool:
-    """Delete a checkpoint; a failure is a warning (the checkpoint stays), never the run's end."""
-    try:
-        delete_checkpoint(path)
-    except OSError as exc:
-        _warn(f"checkpoint rotation could not delete {path} ({type(exc).__name__}: {exc}); it is kept, the run goes on")
-        return False
-    return True
-
-
-def _warn(message: str) -> None:
-    logger.warning(message)
-    warnings.warn(message, stacklevel=3)
 
 
 # -- save -----------------------------------------------------------------------------------------
@@ -196,20 +131,9 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
         frozen_base = base_fingerprint(engine.model)
-        weights = tmp / "model.safetensors"
-        if frozen_base is None:
-            written = cio.save_weights(engine.model, weights)
-        else:  # a frozen base: only what trains, the base known by its fingerprint
-            written = cio.write_tensors(weights, trainable_state_dict(engine.model))
-        files = {weights.name: written}  # file name -> manifest entry: size, and the hash taken as it was written
-        if model_folder is not None:
-            files |= _write_listed(tmp, model_folder)
+        files = _write_model(engine, tmp, frozen_base, model_folder)
         if not model_only:
-            files |= cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
-            # the plugins part of engine.state_dict(), without its deep copy of State (the log history grows)
-            files |= cio.write_bundle(tmp, "plugins", {p.name: p.state_dict() for p in engine.plugins})
-            for stem, rng in zip(rng_file_stems(len(rng_states)), rng_states, strict=True):
-                files |= cio.write_bundle(tmp, stem, rng)
+            files |= _write_training_state(engine, tmp, rng_states)
         # the log history's full segments are linked from the last save, not rewritten (history.py)
         state_files, history, linked = write_trainer_state(state, tmp, final)
         files |= state_files
@@ -226,6 +150,32 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _write_model(
+    engine: Engine, tmp: Path, frozen_base: Any, model_folder: Callable[[Path], None] | None
+) -> dict[str, dict[str, Any]]:
+    """The weights (of a frozen base only what trains) and the model folder's files; their manifest entries."""
+    weights = tmp / "model.safetensors"
+    if frozen_base is None:
+        written = cio.save_weights(engine.model, weights)
+    else:  # a frozen base: only what trains, the base known by its fingerprint
+        written = cio.write_tensors(weights, trainable_state_dict(engine.model))
+    files = {weights.name: written}  # file name -> manifest entry: size, and the hash taken as it was written
+    if model_folder is not None:
+        files |= _write_listed(tmp, model_folder)
+    return files
+
+
+def _write_training_state(engine: Engine, tmp: Path, rng_states: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What a resume needs besides the model: optimizer, plugins' states, every rank's RNG states."""
+    assert engine.optimizer is not None
+    files = cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
+    # the plugins part of engine.state_dict(), without its deep copy of State (the log history grows)
+    files |= cio.write_bundle(tmp, "plugins", {p.name: p.state_dict() for p in engine.plugins})
+    for stem, rng in zip(rng_file_stems(len(rng_states)), rng_states, strict=True):
+        files |= cio.write_bundle(tmp, stem, rng)
+    return files
 
 
 def _write_listed(directory: Path, write: Callable[[Path], None]) -> dict[str, dict[str, Any]]:
@@ -253,9 +203,10 @@ class Checkpointing(Plugin):
             its last evaluated value is recorded in each manifest. The best step itself comes
             from ``state.best_global_step`` (the BestMetric plugin).
         save_safetensors: must be True: trainbus never writes pickle.
-        save_strategy: when to request saves: "no" / None (only act on SAVE set by others),
-            "steps" (every ``save_steps`` and at the last step), "epoch", "best" (after an
-            evaluation that found a new best).
+        save_strategy: for an Engine without FlowControl, when to request saves: "no" / None (only
+            act on SAVE set by others), "steps" (every ``save_steps`` and at the last step), "epoch",
+            "best" (after an evaluation that found a new best). The decision is control's
+            ``SaveSchedule`` (control/flow.py), the one owner of when to save; this plugin only writes.
         save_steps: an int, or a float in (0, 1) as a fraction of max_steps (as HF).
         save_only_model: checkpoints hold the model and trainer state only (HF); they cannot be resumed.
         only_best_at_end: with ``save_total_limit=1``, a finished run deletes every checkpoint but
@@ -311,6 +262,8 @@ class Checkpointing(Plugin):
         self.best_metric_key = best_metric_key
         self.save_strategy = strategy
         self.save_steps = save_steps
+        # when to save is control's decision (the one SaveSchedule rules); "no": only SAVE set by others
+        self._schedule = None if strategy == "no" else SaveSchedule(SaveStrategy(strategy))
         self.only_best_at_end = only_best_at_end and save_total_limit == 1
         self.save_only_model = save_only_model
         self.model_folder = model_folder  # writes config.json, tokenizer files, ... into each checkpoint
@@ -336,22 +289,25 @@ class Checkpointing(Plugin):
             self.on(engine, Event.STEP_END, self._step_end, priority=Priority.DEFAULT)
         elif self.save_strategy == "epoch":
             self.on(engine, Event.EPOCH_END, self._epoch_end, priority=Priority.DEFAULT)
+        elif self.save_strategy == "best":
+            self.on(engine, Event.EVAL_START, self._eval_start)
         if self.best_metric_key is not None or self.save_strategy == "best":
             # after BestMetric (which updates state.best_global_step at a higher priority)
             self.on(engine, Event.EVAL_END, self._eval_end, priority=Priority.CONSUMER)
 
-    def _interval(self, state: State) -> int:
-        if isinstance(self.save_steps, float) and self.save_steps < 1:
-            return max(1, int(-(-state.max_steps * self.save_steps // 1)))  # ceil, as HF
-        return int(self.save_steps)
-
+    # -- the save_strategy shortcut: control's SaveSchedule decides -------------------------------
     def _step_end(self, payload: StepEndEvent) -> None:
         state = payload.engine.state
-        if state.global_step % self._interval(state) == 0 or state.global_step >= state.max_steps:
-            payload.engine.control.should_save = True
+        assert self._schedule is not None
+        self._schedule.step_end(state, payload.engine.control, interval(self.save_steps, state.max_steps))
 
     def _epoch_end(self, payload: EpochEndEvent) -> None:
-        payload.engine.control.should_save = True
+        assert self._schedule is not None
+        self._schedule.epoch_end(payload.engine.control)
+
+    def _eval_start(self, payload: EvalStartEvent) -> None:
+        assert self._schedule is not None
+        self._schedule.eval_start(payload.engine.state)
 
     def _eval_end(self, payload: EvalEndEvent) -> None:
         engine = payload.engine
@@ -360,8 +316,8 @@ class Checkpointing(Plugin):
             value = payload.metrics.get(key, payload.metrics.get(f"{payload.prefix}_{key}"))
             if isinstance(value, int | float) or (isinstance(value, torch.Tensor) and value.numel() == 1):
                 self.last_metric = float(value)  # once per evaluation, not per step
-        if self.save_strategy == "best" and engine.state.best_global_step == engine.state.global_step:
-            engine.control.should_save = True
+        if self._schedule is not None:
+            self._schedule.eval_end(engine.state, engine.control)  # "best": after a new best
 
     def _take_lock(self, payload: TrainStartEvent) -> None:
         self._release_lock(payload)
@@ -378,7 +334,7 @@ class Checkpointing(Plugin):
         if best is None or rank() != 0 or not payload.engine.state.is_world_process_zero:
             return
         for _, path in list_checkpoints(self.output_dir):
-            if not _same(best, path) and _delete(path):
+            if not same_path(best, path) and delete_or_warn(path):
                 logger.info("deleted %s: save_total_limit=1 keeps only the best checkpoint", path)
 
     def save(self, payload: SaveEvent) -> None:
@@ -421,58 +377,3 @@ def claim_run(engine: Engine, resume_from_checkpoint: Any) -> contextlib.Abstrac
     plugin = engine.get_plugin(Checkpointing)
     own = plugin.written if isinstance(plugin, Checkpointing) else None
     return claim_output_dir(engine, resume_from_checkpoint, own)
-
-
-class LoadBestModelAtEnd(Plugin):
-    """At TRAIN_END, loads the weights of ``state.best_model_checkpoint`` into the model (K5).
-
-    Runs first at TRAIN_END so that later handlers (a final save_model) see the best weights.
-    Without a best checkpoint (no evaluation, or the best step was not saved) it warns and keeps
-    the last weights, as HF does. A best checkpoint that is damaged (or does not fit the model) is
-    warned about and the run keeps its own weights: the finish of a long run never fails on it. The
-    weights file is checked whole before anything is copied, so the model is never half loaded.
-    """
-
-    priority = Priority.FIRST
-
-    def attach(self, engine: Engine) -> None:
-        self.on(engine, Event.TRAIN_END, self.load)
-
-    def load(self, payload: Payload) -> None:
-        engine = payload.engine
-        best = engine.state.best_model_checkpoint
-        if best is None:
-            logger.warning("load_best_model_at_end: no best checkpoint was recorded; keeping the last weights")
-            return
-        directory = Path(best)
-        problem = None
-        manifest: dict[str, Any] = {}
-        if rank() == 0:  # rank 0 checks, so that every rank loads or none does
-            try:
-                manifest = verify_best_weights(directory)
-            except DamagedCheckpoint as exc:
-                problem = str(exc)
-        problem = broadcast_from_main(problem)
-        if problem is None:
-            try:
-                _load_best(engine.model, directory, manifest)
-            except ConfigError as exc:  # nothing was copied: the weights are checked against the model first
-                problem = str(exc)
-        if problem is not None:
-            _warn(
-                f"load_best_model_at_end: the best checkpoint {best} cannot be loaded ({problem}); "
-                "keeping the run's own weights"
-            )
-            return
-        logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)
-
-
-def _load_best(model: torch.nn.Module, directory: Path, manifest: dict[str, Any]) -> None:
-    """The weights of a checkpoint that rank 0 has just verified (``manifest`` read there; {} elsewhere)."""
-    manifest = manifest or read_manifest(directory, verify=False)
-    if SHARDED in manifest:  # FSDP: every rank loads its own slices
-        load_model_shards(model, directory, verify=False)
-        return
-    weights = directory / "model.safetensors"
-    frozen = check_base(model, manifest.get("frozen_base"), str(directory))
-    cio.load_weights(model, cio.read_tensors(weights), str(weights), may_lack=frozen)

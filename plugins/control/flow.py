@@ -2,6 +2,10 @@
 
 It runs at priority PRODUCER on STEP_END and EPOCH_END, so handlers at DEFAULT (HF callbacks
 through the adapter, user handlers) see the flags it set and may still change them.
+
+``SaveSchedule`` is the one owner of *when to save*: FlowControl decides with one, and
+``Checkpointing(save_strategy=...)`` on a bare Engine (a shortcut for an Engine without FlowControl)
+asks one too; Checkpointing itself only writes on SAVE and rotates.
 """
 
 from __future__ import annotations
@@ -15,6 +19,45 @@ from .strategies import IntervalStrategy, SaveStrategy, check_strategy
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine, EpochEndEvent, EvalEndEvent, EvalStartEvent, StepEndEvent, TrainStartEvent
+
+
+def interval(value: float | None, max_steps: int) -> int:
+    """An interval in optimizer steps: ``value``, or a float < 1 as a ratio of ``max_steps`` (rounded up, as HF)."""
+    if value is None:
+        return 0
+    return max(1, math.ceil(max_steps * value)) if value < 1 else int(value)
+
+
+class SaveSchedule:
+    """When to save (HF's DefaultFlowCallback rules): sets ``control.should_save``; writes nothing.
+
+    "steps": every ``every`` steps and at the last step; "epoch": at each epoch's end; "best": after
+    an evaluation that changed the best metric (compared with the best at its EVAL_START).
+    """
+
+    def __init__(self, strategy: SaveStrategy) -> None:
+        self.strategy = strategy
+        self._best_before: Any = None
+
+    def step_end(self, state: Any, control: Any, every: int) -> None:
+        if self.strategy != SaveStrategy.STEPS:
+            return
+        step = state.global_step
+        if (every > 0 and step % every == 0) or step >= state.max_steps:
+            control.should_save = True
+
+    def epoch_end(self, control: Any) -> None:
+        if self.strategy == SaveStrategy.EPOCH:
+            control.should_save = True
+
+    def eval_start(self, state: Any) -> None:
+        self._best_before = (state.best_metric, state.best_global_step)
+
+    def eval_end(self, state: Any, control: Any) -> None:
+        if self.strategy != SaveStrategy.BEST:
+            return
+        if state.global_step > 0 and (state.best_metric, state.best_global_step) != self._best_before:
+            control.should_save = True  # a new best was just found
 
 
 class FlowControl(Plugin):
@@ -69,7 +112,7 @@ class FlowControl(Plugin):
         self.eval_delay = eval_delay
         self.eval_on_start = eval_on_start
         self.save_steps = save_steps
-        self._best_before: Any = None
+        self.saves = SaveSchedule(self.save_strategy)
 
     @classmethod
     def from_args(cls, args: Any) -> FlowControl:
@@ -95,18 +138,12 @@ class FlowControl(Plugin):
             # after the best-metric keeper has updated state.best_metric
             self.on(engine, Event.EVAL_END, self.eval_end, priority=Priority.LAST)
 
-    @staticmethod
-    def _interval(value: float | None, max_steps: int) -> int:
-        if value is None:
-            return 0
-        return max(1, math.ceil(max_steps * value)) if value < 1 else int(value)
-
     def train_start(self, ev: TrainStartEvent) -> None:
         state = ev.engine.state
-        state.logging_steps = self._interval(self.logging_steps, state.max_steps)
+        state.logging_steps = interval(self.logging_steps, state.max_steps)
         # without eval_steps HF's TrainerState keeps its default, 500 (in trainer_state.json too)
-        state.eval_steps = self._interval(self.eval_steps, state.max_steps) if self.eval_steps is not None else 500
-        state.save_steps = self._interval(self.save_steps, state.max_steps)
+        state.eval_steps = interval(self.eval_steps, state.max_steps) if self.eval_steps is not None else 500
+        state.save_steps = interval(self.save_steps, state.max_steps)
         if self.eval_on_start and ev.engine.eval_data is not None:
             ev.engine.control.should_evaluate = True
 
@@ -121,14 +158,11 @@ class FlowControl(Plugin):
         steps_eval = self.eval_strategy == IntervalStrategy.STEPS and self.eval_delay <= step
         if steps_eval and step % eval_every == 0:
             control.should_evaluate = True
-        if self.save_strategy == SaveStrategy.STEPS and state.save_steps > 0 and step % state.save_steps == 0:
-            control.should_save = True
+        self.saves.step_end(state, control, state.save_steps)
         if step >= state.max_steps:
             control.should_training_stop = True
             if steps_eval and step % eval_every != 0:
                 control.should_evaluate = True
-            if self.save_strategy == SaveStrategy.STEPS:
-                control.should_save = True
 
     def epoch_end(self, ev: EpochEndEvent) -> None:
         state, control = ev.engine.state, ev.engine.control
@@ -136,13 +170,10 @@ class FlowControl(Plugin):
             control.should_log = True
         if self.eval_strategy == IntervalStrategy.EPOCH and self.eval_delay <= state.epoch:
             control.should_evaluate = True
-        if self.save_strategy == SaveStrategy.EPOCH:
-            control.should_save = True
+        self.saves.epoch_end(control)
 
     def eval_start(self, ev: EvalStartEvent) -> None:
-        self._best_before = (ev.engine.state.best_metric, ev.engine.state.best_global_step)
+        self.saves.eval_start(ev.engine.state)
 
     def eval_end(self, ev: EvalEndEvent) -> None:
-        state = ev.engine.state
-        if state.global_step > 0 and (state.best_metric, state.best_global_step) != self._best_before:
-            ev.engine.control.should_save = True  # save_strategy="best": a new best was just found
+        self.saves.eval_end(ev.engine.state, ev.engine.control)  # save_strategy="best"

@@ -1,0 +1,78 @@
+"""LoadBestModelAtEnd: at TRAIN_END the model gets the weights of the best checkpoint (HF's load_best_model_at_end)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority
+from trainbus.engine.events import Payload
+
+from ..distributed.processes import broadcast_from_main, rank
+from . import io as cio
+from .frozen import check_base
+from .resuming import verify_best_weights
+from .rotation import warn
+from .safety import DamagedCheckpoint
+from .sharded import SHARDED, load_model_shards
+from .verified import read_manifest
+
+logger = logging.getLogger("trainbus.checkpoint")
+
+
+class LoadBestModelAtEnd(Plugin):
+    """At TRAIN_END, loads the weights of ``state.best_model_checkpoint`` into the model (K5).
+
+    Runs first at TRAIN_END so that later handlers (a final save_model) see the best weights.
+    Without a best checkpoint (no evaluation, or the best step was not saved) it warns and keeps
+    the last weights, as HF does. A best checkpoint that is damaged (or does not fit the model) is
+    warned about and the run keeps its own weights: the finish of a long run never fails on it. The
+    weights file is checked whole before anything is copied, so the model is never half loaded.
+    """
+
+    priority = Priority.FIRST
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, Event.TRAIN_END, self.load)
+
+    def load(self, payload: Payload) -> None:
+        engine = payload.engine
+        best = engine.state.best_model_checkpoint
+        if best is None:
+            logger.warning("load_best_model_at_end: no best checkpoint was recorded; keeping the last weights")
+            return
+        directory = Path(best)
+        problem = None
+        manifest: dict[str, Any] = {}
+        if rank() == 0:  # rank 0 checks, so that every rank loads or none does
+            try:
+                manifest = verify_best_weights(directory)
+            except DamagedCheckpoint as exc:
+                problem = str(exc)
+        problem = broadcast_from_main(problem)
+        if problem is None:
+            try:
+                _load_best(engine.model, directory, manifest)
+            except ConfigError as exc:  # nothing was copied: the weights are checked against the model first
+                problem = str(exc)
+        if problem is not None:
+            warn(
+                f"load_best_model_at_end: the best checkpoint {best} cannot be loaded ({problem}); "
+                "keeping the run's own weights"
+            )
+            return
+        logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)
+
+
+def _load_best(model: torch.nn.Module, directory: Path, manifest: dict[str, Any]) -> None:
+    """The weights of a checkpoint that rank 0 has just verified (``manifest`` read there; {} elsewhere)."""
+    manifest = manifest or read_manifest(directory, verify=False)
+    if SHARDED in manifest:  # FSDP: every rank loads its own slices
+        load_model_shards(model, directory, verify=False)
+        return
+    weights = directory / "model.safetensors"
+    frozen = check_base(model, manifest.get("frozen_base"), str(directory))
+    cio.load_weights(model, cio.read_tensors(weights), str(weights), may_lack=frozen)

@@ -1,0 +1,83 @@
+"""Checkpoint rotation: which checkpoints ``save_total_limit`` keeps, and deleting the others.
+
+The newest ``limit`` stay, the best and the newest are never deleted, and a checkpoint that cannot
+be deleted is warned about and kept (rotation only saves disk space; the run goes on).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainbus.engine import ConfigError
+
+from .directory import delete_checkpoint, list_checkpoints, tidy
+
+logger = logging.getLogger("trainbus.checkpoint")
+
+
+def same_path(a: str | Path | None, b: Path) -> bool:
+    return a is not None and Path(a).resolve() == b.resolve()
+
+
+def checkpoints_to_keep(steps: list[int], limit: int, best: int | None) -> set[int]:
+    """Which of ``steps`` (ordered oldest to newest) rotation keeps (HF's rule).
+
+    The newest ``limit`` stay; when the best is older than those, it stays instead of the oldest
+    of them, except that the newest always stays (so ``limit=1`` keeps best and newest: 2).
+    """
+    if limit < 1:
+        raise ConfigError(f"save_total_limit must be an integer >= 1 or None, got {limit!r}")
+    if best is None or best not in steps or best in steps[-limit:]:
+        return set(steps[-limit:])
+    newest = steps[-max(limit - 1, 1) :]
+    return {best, *newest}
+
+
+def rotate_checkpoints(
+    output_dir: str | Path, limit: int | None, best: str | Path | None = None, written: Sequence[str | Path] = ()
+) -> list[Path]:
+    """Delete complete checkpoints beyond ``limit`` (never the best nor the newest); returns the deleted.
+
+    ``written`` lists the checkpoints this run wrote, oldest first: they count as more recent than
+    any other, so checkpoints an earlier run left with higher step numbers rotate out first and
+    the checkpoint just written is never the one deleted.
+    Incomplete directories are not counted and not touched, except what processes that no longer run
+    left behind (``directory.tidy``: an interrupted re-save's copy is put back, the rest removed).
+    A checkpoint that cannot be deleted (permissions, a busy file system) is warned about and kept:
+    rotation only saves disk space, and the run goes on.
+    """
+    root = Path(output_dir)
+    try:
+        tidy(root)
+    except OSError as exc:
+        warn(f"checkpoint rotation could not tidy {root}: {exc}; the run goes on")
+    found = list_checkpoints(output_dir)
+    if limit is None or not found:
+        return []
+    best_step = next((step for step, path in found if same_path(best, path)), None)
+    ours = [step for path in written for step, found_path in found if same_path(path, found_path)]
+    by_recency = [step for step, _ in found if step not in ours] + ours
+    keep = checkpoints_to_keep(by_recency, limit, best_step)
+    deleted = []
+    for step, path in found:
+        if step not in keep and delete_or_warn(path):
+            deleted.append(path)
+    return deleted
+
+
+def delete_or_warn(path: Path) -> bool:
+    """Delete a checkpoint; a failure is a warning (the checkpoint stays), never the run's end."""
+    try:
+        delete_checkpoint(path)
+    except OSError as exc:
+        warn(f"checkpoint rotation could not delete {path} ({type(exc).__name__}: {exc}); it is kept, the run goes on")
+        return False
+    return True
+
+
+def warn(message: str) -> None:
+    logger.warning(message)
+    warnings.warn(message, stacklevel=3)
