@@ -15,6 +15,7 @@ import torch
 from trainbus.hooks import Hooks
 from trainbus.hooks import to_device as default_to_device
 
+from .bus import EventBus
 from .errors import ConfigError, suggest
 from .plugin import Plugin, check_state
 from .state import State
@@ -36,6 +37,7 @@ class Assembly:
     _wrappers: list[tuple[object, str, HookWrapper]]
     _device: torch.device
     _move_batches: bool
+    bus: EventBus
     hooks: Hooks
     plugins: list[Plugin]
     state: State
@@ -87,7 +89,11 @@ class Assembly:
             raise ConfigError(f"expected a trainbus Plugin, got {type(plugin).__name__}")
         if any(p.name == plugin.name for p in self.plugins):
             raise ConfigError(f"a plugin named {plugin.name!r} is already attached; give the new one another name")
-        plugin.attach(self)  # type: ignore[arg-type]  # only Engine mixes this in
+        try:
+            plugin.attach(self)  # type: ignore[arg-type]  # only Engine mixes this in
+        except Exception:  # e.g. a handler order that cannot hold: undo the registrations made so far
+            Plugin.detach(plugin, self)  # type: ignore[arg-type]  # the base's: the plugin never finished attaching
+            raise
         try:
             check_state(plugin.state_dict(), f"plugins/{plugin.name}")
         except Exception as exc:
@@ -140,6 +146,14 @@ class Assembly:
 
     def remove_plugin(self, which: Plugin | type[Plugin] | str) -> None:
         self.pop_plugin(which)
+
+    def describe(self) -> dict[str, list[str]]:
+        """Every event that has handlers, in loop order -> its handlers' names in the order they run.
+
+        Handlers are named ``<plugin>.<method>`` (or the ``name`` given to ``on``); the names are
+        what ``before=`` / ``after=`` take.
+        """
+        return self.bus.describe()
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

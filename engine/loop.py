@@ -19,7 +19,7 @@ import torch
 from trainbus.hooks import Hooks, loss_with
 
 from .assembly import Assembly, HookWrapper
-from .bus import EventBus, Handle, Priority
+from .bus import EventBus, Handle, Order, Priority, Targets
 from .errors import ConfigError, check_positive_int
 from .events import (
     BackwardEndEvent,
@@ -212,15 +212,19 @@ class Engine(Passes, Assembly, Lifecycle):
         event: EventType[P] | FilteredEvent[P] | str,
         handler: Callable[[P], None],
         *,
-        priority: int = Priority.DEFAULT,
+        priority: int | Order = Priority.DEFAULT,
         name: str | None = None,
         cleanup: bool = False,
+        before: Targets = (),
+        after: Targets = (),
     ) -> Handle:
         """Register a handler; returns a handle whose ``remove()`` unregisters it.
 
-        ``cleanup=True`` (END events): run also when the block failed (see ``EventBus.on``).
+        ``priority`` is its phase; ``before`` / ``after`` name handlers (or plugins, or ``"*"``) of the
+        event it runs before / after inside it. ``cleanup=True`` (END events): run also when the block
+        failed. See ``EventBus.on``.
         """
-        return self.bus.on(event, handler, priority=priority, name=name, cleanup=cleanup)
+        return self.bus.on(event, handler, priority=priority, name=name, cleanup=cleanup, before=before, after=after)
 
     # -- firing --------------------------------------------------------------------------------
     def _fire(self, event: EventType[P], make: Callable[[], P]) -> P | None:

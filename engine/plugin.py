@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .bus import Handle, Priority
+from .bus import Handle, Order, Priority, Targets
 from .errors import ConfigError
 from .events import EventType, P
 from .filters import FilteredEvent
@@ -39,8 +39,9 @@ class Plugin:
         ...         self.steps = state["steps"]
     """
 
-    #: default priority of this plugin's handlers (see ``Priority``)
-    priority: int = Priority.DEFAULT
+    #: default phase of this plugin's handlers (see ``Priority``), or a phase with constraints that
+    #: all of them keep, e.g. ``Priority.FIRST.before("HalfPrecisionEval")``
+    priority: int | Order = Priority.DEFAULT
 
     @property
     def name(self) -> str:
@@ -75,10 +76,16 @@ class Plugin:
         event: EventType[P] | FilteredEvent[P],
         handler: Callable[[P], None],
         *,
-        priority: int | None = None,
+        priority: int | Order | None = None,
         cleanup: bool = False,
+        before: Targets = (),
+        after: Targets = (),
     ) -> Handle:
         """Register ``handler`` and remember it for ``detach``; named ``<plugin>.<method>``.
+
+        ``priority`` defaults to the plugin's ``priority``. ``before`` / ``after`` name the handlers
+        it runs before / after inside its phase (handler or plugin names, ``"*"``; see ``EventBus.on``);
+        others may name this one ``"<plugin>.<method>"``, or the plugin's name for all its handlers.
 
         ``cleanup=True`` (END events only): the handler also runs when the block failed, with
         ``payload.error`` set, e.g. to put back weights an evaluation swapped in.
@@ -90,6 +97,8 @@ class Plugin:
             priority=self.priority if priority is None else priority,
             name=f"{self.name}.{label}",
             cleanup=cleanup,
+            before=before,
+            after=after,
         )
         self.__dict__.setdefault("_plugin_handles", []).append(handle)
         return handle

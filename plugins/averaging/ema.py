@@ -154,8 +154,10 @@ class EMA(Plugin):
         self.on(engine, step, self.update, priority=Priority.LAST)  # after anything that edits the weights
         if self.eval_with_ema:
             # swap before HalfPrecisionEval casts (FIRST) and restore after it restored (LAST)
-            self.on(engine, Event.EVAL_START, self._eval_start, priority=Priority.FIRST + 1)
-            self.on(engine, Event.EVAL_END, self._eval_end, priority=Priority.LAST - 1, cleanup=True)
+            self.on(engine, Event.EVAL_START, self._eval_start, priority=Priority.FIRST, before="HalfPrecisionEval")
+            self.on(
+                engine, Event.EVAL_END, self._eval_end, priority=Priority.LAST.after("HalfPrecisionEval"), cleanup=True
+            )
 
     def detach(self, engine: Engine) -> None:
         self.restore(force=True)

@@ -280,8 +280,8 @@ class Checkpointing(Plugin):
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.SAVE, self.save)
         # one run per output_dir (lock.py): held from the start of training to its end, also after an error
-        self.on(engine, Event.TRAIN_START, self._take_lock, priority=Priority.FIRST + 10)
-        self.on(engine, Event.TRAIN_END, self._release_lock, priority=Priority.LAST - 10, cleanup=True)
+        self.on(engine, Event.TRAIN_START, self._take_lock, priority=Priority.FIRST, before="*")
+        self.on(engine, Event.TRAIN_END, self._release_lock, priority=Priority.LAST, after="*", cleanup=True)
         if self.only_best_at_end:
             # after LoadBestModelAtEnd (FIRST) has read the best checkpoint
             self.on(engine, Event.TRAIN_END, self._keep_only_best, priority=Priority.LAST)

@@ -362,7 +362,7 @@ class _RestoreRng:
 
     def __init__(self, engine: Engine, rng: dict[str, Any]) -> None:
         self.rng = rng
-        first = Priority.FIRST + 1  # before every plugin, as the uninterrupted run had no extra draws
+        first = Priority.FIRST.before("*")  # before every plugin, as the uninterrupted run had no extra draws
         self.handles = [
             engine.on(Event.STEP_START, self._restore, priority=first, name="resume.restore_rng"),
             engine.on(Event.EPOCH_START, self._epoch_start, priority=first, name="resume.restore_rng"),

@@ -185,7 +185,7 @@ class BestMetric(MetricPlugin):
         ('eval_valid_loss', False)
     """
 
-    priority = Priority.CONSUMER + 50
+    priority = Priority.CONSUMER.before("*")  # the best metric is kept before the consumers read it
 
     def __init__(
         self, metric_for_best_model: str = "loss", greater_is_better: bool | None = None, save_on_best: bool = False

@@ -120,7 +120,7 @@ class Preemption(Plugin):
         self.on(engine, Event.TRAIN_START, self.install, priority=Priority.FIRST)
         self.on(engine, Event.STEP_END, self.step_end)
         # the very last TRAIN_END handler (after the output_dir lock is released), also on failure
-        self.on(engine, Event.TRAIN_END, self.finish, priority=Priority.LAST - 100, cleanup=True)
+        self.on(engine, Event.TRAIN_END, self.finish, priority=Priority.LAST.after("*", "Checkpointing"), cleanup=True)
 
     # -- handlers ----------------------------------------------------------------------------------
     def install(self, ev: TrainStartEvent) -> None:

@@ -203,14 +203,14 @@ class CallbackAdapter(Plugin):
             (Event.TRAIN_END, "on_train_end", Priority.DEFAULT),
             (Event.EVAL_BATCH_END, "on_prediction_step", Priority.CONSUMER),
             (Event.PREDICT_BATCH_END, "on_prediction_step", Priority.CONSUMER),
-            (Event.SAVE, "on_save", Priority.CONSUMER - 50),
+            (Event.SAVE, "on_save", Priority.CONSUMER.after("Checkpointing")),
         )
         for event, name, priority in simple:
             self.on(engine, event, self._caller(name), priority=priority)
         self.on(engine, Event.LOG, self.log, priority=Priority.CONSUMER)
         self.on(engine, Event.EVAL_START, self.eval_start)
         # after the eval metrics are logged (DEFAULT) and before a best-metric keeper updates the state
-        self.on(engine, Event.EVAL_END, self.evaluate, priority=Priority.DEFAULT - 10)
+        self.on(engine, Event.EVAL_END, self.evaluate, priority=Priority.DEFAULT, after="*")
         self.on(engine, Event.PREDICT_END, self.predict, priority=Priority.CONSUMER)
         self._sync_step_handlers()
 

@@ -231,7 +231,7 @@ class Trainer(TrainerUtilities, Engine):
         self.set_hook("prediction_step", self._prediction_step_hook)
         if cls.log is not Trainer.log:
             # after TrainLogger filled a logging point's record, before history and sinks read it
-            self.on(Event.LOG, self._log_through_override, priority=Priority.PRODUCER - 1, name="Trainer.log")
+            self.on(Event.LOG, self._log_through_override, priority=Priority.PRODUCER.after("*"), name="Trainer.log")
 
     def _log_through_override(self, ev: LogEvent) -> None:
         """A logging point's record goes through the subclass's ``log`` (HF calls ``self.log(logs, start_time)``)."""

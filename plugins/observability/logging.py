@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     )
 
 #: where TrainLogger appends to state.log_history: after producers, before sinks and callbacks
-HISTORY_PRIORITY = Priority.CONSUMER + 50
+HISTORY_PRIORITY = Priority.CONSUMER.before("*")
 
 
 class TrainLogger(Plugin):

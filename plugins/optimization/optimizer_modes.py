@@ -53,7 +53,7 @@ class ScheduleFreeModes(Plugin):
     """
 
     # before LoadBestModelAtEnd (FIRST) at TRAIN_END, and before anything reads the weights
-    priority = Priority.FIRST + 10
+    priority = Priority.FIRST.before("*")
 
     def __init__(self) -> None:
         self._training = False
