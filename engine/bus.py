@@ -102,6 +102,9 @@ class Phase(int):
         phase.label = label
         return phase
 
+    def __getnewargs__(self) -> tuple[int, str]:  # type: ignore[override]  # copy and pickle keep the label
+        return int(self), self.label
+
     def before(self, *targets: str) -> Order:
         """Run in this phase, before ``targets`` (handler or plugin names, or ``"*"``)."""
         return Order(self).before(*targets)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +185,9 @@ def test_phases_are_ints_with_names_and_orders_compose() -> None:
     assert (order.phase, order.precedes, order.follows) == (-100, ("*",), ("Checkpointing",))
     assert repr(order) == "Priority.CONSUMER.before('*').after('Checkpointing')"
     assert order == Order(Priority.CONSUMER, "*", "Checkpointing")
+    for value in (Priority.LAST, order):  # plugins holding them can be copied and pickled
+        assert copy.deepcopy(value) == value and pickle.loads(pickle.dumps(value)) == value
+    assert repr(copy.deepcopy(Priority.LAST)) == "Priority.LAST"
     bus = EventBus()
     for bad in ({"priority": 1.5}, {"priority": True}, {"before": [""]}, {"after": [3]}):
         with pytest.raises(ConfigError):
