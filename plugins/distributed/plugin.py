@@ -6,8 +6,9 @@ Launch the script with ``torchrun --nproc_per_node N`` or ``accelerate launch``;
 - accelerate wraps the model in ``DistributedDataParallel`` (its ``prepare_model``, with the DDP
   options given here); ``engine.model`` stays the user's module, so checkpoints, evaluation and
   callbacks see plain weights, and only the training forward goes through the DDP wrapper;
-- the micro-batches before the last of an accumulation window run inside ``no_sync()``: one
-  gradient all-reduce per optimizer step;
+- the micro-batches before the last of an accumulation window run inside ``no_sync()`` (one
+  gradient all-reduce per optimizer step): ``GradientAccumulation`` owns that, on the module this
+  plugin offers as ``trained_module()``;
 - the train loader is replaced by this rank's share of each global batch, eval and test loaders
   by a ``DistributedSampler`` shard (``sharding.py``); the ranks agree on the train data (samples,
   per-device batch, drop_last when the loader is sharded; batches per epoch at every TRAIN_START),
@@ -24,7 +25,6 @@ written by rank 0 with every rank's RNG state, and evaluation gathers in data-se
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,7 @@ from .sharding import check_same_data, shard_eval_loader, shard_train_loader
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
-    from trainbus.engine.events import BackwardEndEvent, BatchStartEvent, TrainStartEvent
+    from trainbus.engine.events import TrainStartEvent
 
 #: DDP options trainbus passes to accelerate's DistributedDataParallelKwargs (HF's ddp_* arguments)
 DDP_OPTIONS: dict[str, type | tuple[type, ...]] = {
@@ -112,8 +112,6 @@ class Distributed(Plugin):
         self.process_index = 0
         self.model: torch.nn.Module | None = None  # the user's module
         self.ddp: torch.nn.Module | None = None  # its DDP wrapper (N > 1)
-        self._sync_off = contextlib.ExitStack()
-        self._per_batch: list[Any] = []
 
     # -- accelerate ------------------------------------------------------------------------------
     def accelerator_for(self, engine: Engine) -> Any:
@@ -167,11 +165,6 @@ class Distributed(Plugin):
         if self.zero is not None:
             self.zero.prepare(engine)
 
-    def detach(self, engine: Engine) -> None:
-        self._sync_off.close()
-        super().detach(engine)
-        self._per_batch = []
-
     def _set_flags(self, engine: Engine) -> None:
         engine.state.is_world_process_zero = self.process_index == 0
         engine.state.is_local_process_zero = self._is_local_main
@@ -212,14 +205,14 @@ class Distributed(Plugin):
             return
         self._check_global_batch(engine)
         check_same_data({"batches per epoch": _batches_per_epoch(engine.train_data)}, "at train start")
-        for handle in self._per_batch:
-            handle.remove()
-        self._per_batch = []
-        if engine.accumulation_steps > 1 and self.ddp is not None:  # handlers only where there is a sync to skip
-            self._per_batch = [
-                self.on(engine, Event.BATCH_START, self._batch_start, priority=Priority.LAST),
-                self.on(engine, Event.BACKWARD_END, self._backward_end, priority=Priority.FIRST),
-            ]
+
+    def trained_module(self) -> torch.nn.Module | None:
+        """The module the training forward runs through when it is not ``engine.model``: the DDP wrapper.
+
+        The gradient-sync protocol: ``GradientAccumulation`` runs the micro-batches before the last
+        of a window inside its ``no_sync()``.
+        """
+        return self.ddp
 
     def _check_global_batch(self, engine: Engine) -> None:
         if self.global_batch_size is None:
@@ -233,14 +226,6 @@ class Distributed(Plugin):
                 f"global_batch_size={self.global_batch_size} cannot be made from per-device batch {per} x "
                 f"{self.num_processes} processes x {engine.accumulation_steps} accumulation steps (= {made})"
             )
-
-    def _batch_start(self, event: BatchStartEvent) -> None:
-        self._sync_off.close()  # a failed window must not leave gradient sync switched off
-        if event.micro_index < event.window_size - 1 and self.ddp is not None:
-            self._sync_off.enter_context(self.ddp.no_sync())  # type: ignore[operator]
-
-    def _backward_end(self, event: BackwardEndEvent) -> None:
-        self._sync_off.close()
 
 
 def _batches_per_epoch(data: Any) -> int | None:

@@ -11,9 +11,12 @@ Across processes (``torch.distributed`` with W > 1 ranks, gradients averaged by 
 the window's items on every rank (one all-reduce of the counts per window, never per micro-batch;
 HF's ``average_tokens_across_devices``) and the weights are ``W * n_i / N``: DDP's average of the
 ranks' gradients is then the gradient of the mean over all items of the global window, however
-unevenly -100 padding falls across ranks. A model wrapped in DDP by the user (one with ``no_sync``)
-runs the micro-batches before the last of a window inside ``no_sync()``; the ``Distributed`` plugin
-does that for the model it wraps.
+unevenly -100 padding falls across ranks.
+
+This plugin is the one owner of DDP's ``no_sync``: the micro-batches before the last of a window run
+inside ``no_sync()`` of the module training goes through: the engine's model when it has one (a
+model the user wrapped in DDP), else the one a plugin offers through ``trained_module()`` (the
+``Distributed`` plugin's DDP wrapper).
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class GradientAccumulation(Plugin):
         # per micro-batch (weight, has_items) on the loss's device and dtype; built at the window's first LOSS
         self._per_micro: list[tuple[Any, Any]] | None = None
         self._sync_off = contextlib.ExitStack()
+        self._synced: Any = None  # the module whose no_sync skips a micro-batch's all-reduce (a DDP wrapper)
         self._processes = 1
         #: the items of the current window (on all ranks across processes): HF's ``num_items_in_batch``
         self.window_items: Count = 0
@@ -144,7 +148,8 @@ class GradientAccumulation(Plugin):
         self._processes = world_size() if self.across_processes else 1  # read once per run, not per window
         if self._prescaled_source is not None:
             self.prescaled = bool(self._prescaled_source())
-        if callable(getattr(engine.model, "no_sync", None)) and not self._ddp_handles:
+        self._synced = synced_module(engine)
+        if self._synced is not None and self.steps > 1 and not self._ddp_handles:
             self._ddp_handles = [
                 self.on(engine, Event.BATCH_START, self.batch_start, priority=Priority.LAST),
                 self.on(engine, Event.BACKWARD_END, self.backward_end, priority=Priority.FIRST),
@@ -199,7 +204,7 @@ class GradientAccumulation(Plugin):
 
     # -- DDP: all-reduce once per window ---------------------------------------------------------
     def batch_start(self, event: BatchStartEvent) -> None:
-        no_sync = getattr(event.engine.model, "no_sync", None)
+        no_sync = getattr(self._synced, "no_sync", None)
         if callable(no_sync) and event.micro_index < event.window_size - 1:
             self._sync_off.enter_context(no_sync())
 
@@ -213,6 +218,19 @@ class GradientAccumulation(Plugin):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # a different ``steps`` is the user's new choice; "micro_index" in older checkpoints was always 0
         self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
+
+
+def synced_module(engine: Engine) -> Any:
+    """The module whose ``no_sync()`` skips the gradient all-reduce: the engine's model when it has one,
+    else the module a plugin's ``trained_module()`` offers (the Distributed plugin's DDP wrapper)."""
+    if callable(getattr(engine.model, "no_sync", None)):
+        return engine.model
+    for plugin in engine.plugins:
+        offer = getattr(plugin, "trained_module", None)
+        module = offer() if callable(offer) else None
+        if callable(getattr(module, "no_sync", None)):
+            return module
+    return None
 
 
 def window_factors(counts: Sequence[Count], num_processes: int = 1, *, with_total: bool = False) -> Any:
