@@ -65,7 +65,12 @@ def test_resume_matches_transformers(tmp_path: Path, dropout: float) -> None:
     step_losses = [float(r["loss"]) for r in tb_full.log_history if "loss" in r]
     assert len(step_losses) == 16  # one record per step
     assert tb.train_metrics["train_loss"] == pytest.approx(sum(step_losses) / 16, rel=1e-6)
-    assert hf.train_metrics["train_loss"] == pytest.approx(sum(step_losses[6:]) / 10, rel=1e-5)
+    resumed_part = sum(step_losses[6:])
+    # transformers >= 5.21: the mean of the resumed steps; before (5.18): their sum over all 16 steps
+    assert hf.train_metrics["train_loss"] in (
+        pytest.approx(resumed_part / 10, rel=1e-5),
+        pytest.approx(resumed_part / 16, rel=1e-5),
+    )
     assert hf_full.train_metrics["train_loss"] == pytest.approx(tb.train_metrics["train_loss"], rel=1e-5)
     found = differences(hf, tb, ignore=["train_loss"])
     continued = differences(tb_full, tb, files=False)
