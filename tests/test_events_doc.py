@@ -13,8 +13,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_docs_events_md_is_current() -> None:
+    from trainbus.plugins.cli.describe import render_page
+
     current = (ROOT / DOC_PATH).read_text(encoding="utf-8")
-    assert current == render(), "docs/events.md is stale: run `python -m trainbus.engine.describe --write`"
+    assert current == render_page(), "docs/events.md is stale: run `python -m trainbus.plugins.cli.describe --write`"
+
+
+def test_the_page_lists_the_default_trainers_handlers_in_order() -> None:
+    from trainbus.plugins.cli.describe import default_trainer_order
+
+    page = (ROOT / DOC_PATH).read_text(encoding="utf-8")
+    order = default_trainer_order()
+    assert "`GradientClipping.clip`" in page and order["BEFORE_OPTIMIZER_STEP"] == ["GradientClipping.clip"]
+    for event, handlers in order.items():
+        assert ", ".join(f"`{h}`" for h in handlers) in page, event
+    assert "The default Trainer's handlers" not in render()  # the engine alone knows no plugin
 
 
 def test_every_payload_says_when_it_fires_and_describes_every_field() -> None:
