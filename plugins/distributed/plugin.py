@@ -206,6 +206,11 @@ class Distributed(Plugin):
         self._check_global_batch(engine)
         check_same_data({"batches per epoch": _batches_per_epoch(engine.train_data)}, "at train start")
 
+    def wrapped_model(self) -> Any:
+        """The model as training runs it, when it is not ``engine.model``: the DDP wrapper or DeepSpeed's engine."""
+        zero = None if self.zero is None else self.zero.ds_engine
+        return self.ddp or zero
+
     def trained_module(self) -> torch.nn.Module | None:
         """The module the training forward runs through when it is not ``engine.model``: the DDP wrapper.
 

@@ -20,6 +20,8 @@ from ..control.best_model import BestMetric, check_metric_key, expected_keys
 from ..control.flow import FlowControl
 from ..control.preemption import Preemption
 from ..data.loading import ResumableData
+from ..distributed.fsdp import fsdp_plugin
+from ..distributed.plugin import Distributed
 from ..evaluation.collector import EvalCollector
 from ..evaluation.half_eval import HalfPrecisionEval
 from ..observability.debug import UnderflowOverflowDebug
@@ -81,11 +83,19 @@ def build_plugins(
     trainer: Any, args: TrainingArguments, scheduler: Any, preprocess_logits_for_metrics: Any
 ) -> list[Plugin]:
     """The standard plugins for ``args``, in attach order (producers first, sinks last)."""
-    own_step = trainer.overrides("training_step")
-    own_loss = own_step or trainer.overrides("compute_loss") or trainer.compute_loss_func is not None
     distributed = getattr(trainer, "distributed", None)
     data = ResumableData(args.ignore_data_skip)
     plugins: list[Plugin] = [data] if distributed is None else [distributed, data]
+    plugins += _model_plugins(args)
+    plugins += _step_plugins(trainer, args, scheduler)
+    plugins += _eval_and_save_plugins(trainer, args, preprocess_logits_for_metrics)
+    plugins += _observability_plugins(trainer, args)
+    return plugins
+
+
+def _model_plugins(args: TrainingArguments) -> list[Plugin]:
+    """What sets up the model and the device: TF32, cache emptying, Liger, compile, checkpointing, precision."""
+    plugins: list[Plugin] = []
     tf32 = tf32_setting(args.tf32, torch_compile=args.torch_compile, fp16=args.fp16)
     if tf32 is not None:
         plugins.append(TF32(tf32))
@@ -103,6 +113,16 @@ def build_plugins(
         plugins.append(MixedPrecision("fp16" if args.fp16 else "bf16"))
     if args.fp16_full_eval or args.bf16_full_eval:
         plugins.append(HalfPrecisionEval("fp16" if args.fp16_full_eval else "bf16"))
+    return plugins
+
+
+def _step_plugins(trainer: Any, args: TrainingArguments, scheduler: Any) -> list[Plugin]:
+    """What shapes the optimizer step: accumulation, clipping, optimizer modes, regularisation, the schedule."""
+    own_step = trainer.overrides("training_step")
+    own_loss = own_step or trainer.overrides("compute_loss") or trainer.compute_loss_func is not None
+    distributed = getattr(trainer, "distributed", None)
+    deepspeed = getattr(args, "deepspeed_plugin", None) is not None  # DeepSpeed owns precision and clipping
+    plugins: list[Plugin] = []
     # across processes accumulation also normalises a single micro-batch by the items on all ranks
     # (HF's average_tokens_across_devices), so uneven -100 padding still gives the 1-process gradient
     across = distributed is not None and args.average_tokens_across_devices
@@ -138,6 +158,12 @@ def build_plugins(
             metric=args.metric_for_best_model or "loss",
         )
     )
+    return plugins
+
+
+def _eval_and_save_plugins(trainer: Any, args: TrainingArguments, preprocess_logits_for_metrics: Any) -> list[Plugin]:
+    """Evaluation, the best metric, checkpoints and the flow control that decides when each happens."""
+    plugins: list[Plugin] = []
     plugins.append(
         EvalCollector(
             trainer.compute_metrics,
@@ -168,13 +194,17 @@ def build_plugins(
         plugins.append(LoadBestModelAtEnd())
     plugins.append(FlowControl.from_args(args))
     plugins.append(Preemption())  # SIGTERM / a first Ctrl-C: checkpoint at the next step, exit 143 / 130
-    plugins.append(
-        TrainLogger(
-            args.logging_nan_inf_filter,
-            str(args.include_num_input_tokens_seen),
-            input_name=getattr(trainer.model, "main_input_name", "input_ids"),
-        )
+    return plugins
+
+
+def _observability_plugins(trainer: Any, args: TrainingArguments) -> list[Plugin]:
+    """The logger (its train-end metrics are what ``train()`` returns), progress, debugging, memory, sinks."""
+    trainer.train_logger = TrainLogger(
+        args.logging_nan_inf_filter,
+        str(args.include_num_input_tokens_seen),
+        input_name=getattr(trainer.model, "main_input_name", "input_ids"),
     )
+    plugins: list[Plugin] = [trainer.train_logger]
     plugins.append(Printer() if args.disable_tqdm else ProgressBars())
     if "underflow_overflow" in args.debug:
         plugins.append(UnderflowOverflowDebug())
@@ -182,6 +212,21 @@ def build_plugins(
         plugins.append(getattr(trainer, "memory_metrics", None) or MemoryMetrics())
     plugins.extend(_sinks(args))
     return plugins
+
+
+def distributed_plugin(args: TrainingArguments) -> Distributed | None:
+    """Several processes (or DeepSpeed): DDP through accelerate, FSDP or DeepSpeed, and sharded loaders."""
+    if args.world_size == 1 and args.deepspeed_plugin is None:
+        return None
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"  # FSDP's mixed-precision policy
+    return Distributed(
+        find_unused_parameters=args.ddp_find_unused_parameters,
+        bucket_cap_mb=args.ddp_bucket_cap_mb,
+        broadcast_buffers=args.ddp_broadcast_buffers,
+        static_graph=args.ddp_static_graph,
+        fsdp=None if args.fsdp_plugin_args is None else fsdp_plugin(args.fsdp_plugin_args, precision),
+        deepspeed=args.deepspeed_plugin,
+    )
 
 
 def flo_counter(trainer: Any) -> FloCounter | None:

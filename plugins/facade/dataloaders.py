@@ -1,0 +1,128 @@
+"""The ``Trainer``'s data: HF's ``get_*_dataloader`` methods, the collator, and the run's length.
+
+A mixin of ``Trainer``. Train loaders follow HF's ``train_sampling_strategy`` (length grouping) and
+``remove_unused_columns``; under several processes the ``Distributed`` plugin shards them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from trainbus.engine import ConfigError
+
+from ..data.length_grouping import main_input_name_of, train_sampler
+from ..data.loading import RemoveColumnsCollator, build_dataloader, remove_unused_columns, signature_columns
+
+
+class TrainerData:
+    """HF's dataloader methods (a mixin of ``Trainer``)."""
+
+    # provided by Trainer / Engine
+    args: Any
+    train_dataset: Any
+    processing_class: Any
+    data_collator: Callable[[list[Any]], Any]
+    label_names_arg: list[str]
+    distributed: Any
+    train_data: Any
+    max_epochs: int | None
+    max_steps: int | None
+    _model_for_columns: Any
+    _train_batch_size: int
+    _rebuild_named_schedule: Callable[[], None]
+
+    def _plan_length(self, loader: Any) -> tuple[int | None, int | None]:
+        args = self.args
+        if args.max_steps > 0:
+            return None, args.max_steps
+        if loader is None:
+            return max(1, math.ceil(args.num_train_epochs)), None
+        try:
+            batches = len(loader)
+        except TypeError:
+            raise ConfigError(
+                "the train dataset has no length (an iterable dataset): set TrainingArguments.max_steps"
+            ) from None
+        if float(args.num_train_epochs).is_integer():
+            return int(args.num_train_epochs), None
+        per_epoch = math.ceil(batches / args.gradient_accumulation_steps)
+        return None, max(1, math.ceil(args.num_train_epochs * per_epoch))  # fractional epochs, as HF
+
+    def _collator_for(self, dataset: Any) -> Callable[[list[Any]], Any]:
+        if not self.args.remove_unused_columns:
+            return self.data_collator
+        keep = signature_columns(self._model_for_columns, self.label_names_arg)
+        if hasattr(dataset, "column_names"):
+            return self.data_collator  # datasets.Dataset columns are removed on the dataset itself
+        return RemoveColumnsCollator(self.data_collator, keep, self._model_for_columns)
+
+    def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool) -> Any:
+        args = self.args
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        sampler = None
+        if shuffle:  # the train set: HF's train_sampling_strategy, lengths read before columns are removed
+            sampler = train_sampler(
+                dataset,
+                str(args.train_sampling_strategy),
+                seed=seed,
+                group_size=args.train_batch_size * args.gradient_accumulation_steps * args.world_size,
+                length_column_name=args.length_column_name,
+                model_input_name=main_input_name_of(self.processing_class),
+            )
+        if args.remove_unused_columns:
+            dataset = remove_unused_columns(dataset, self._model_for_columns, self.label_names_arg)
+        return build_dataloader(
+            dataset,
+            batch_size=batch_size,
+            collate_fn=self._collator_for(dataset),
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
+            persistent_workers=args.dataloader_persistent_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            sampler=sampler,
+        )
+
+    def get_train_dataloader(self) -> Any:
+        if self.train_dataset is None:
+            raise ConfigError("Trainer: training requires a train_dataset")
+        args = self.args
+        loader = self._loader(self.train_dataset, self._train_batch_size, True, args.dataloader_drop_last)
+        return loader if self.distributed is None else self.distributed.shard_train(loader)
+
+    def _use_train_batch_size(self, batch_size: int) -> None:
+        """Train with this per-device batch size from now on (auto_find_batch_size)."""
+        self._train_batch_size = batch_size
+        self.train_data = self.get_train_dataloader()
+        self.max_epochs, self.max_steps = self._plan_length(self.train_data)
+        self._rebuild_named_schedule()  # for the new number of steps (HF)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ConfigError("Trainer: evaluation requires an eval_dataset")
+        return self._loader(dataset, self.args.eval_batch_size, False, self.args.dataloader_drop_last)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        return self._loader(test_dataset, self.args.eval_batch_size, False, self.args.dataloader_drop_last)
+
+    def _eval_loaders(self, dataset: Any) -> Any:
+        if isinstance(dataset, Mapping):
+            return {name: self.get_eval_dataloader(d) for name, d in dataset.items()}
+        return self.get_eval_dataloader(dataset)
+
+    def num_examples(self, dataloader: Any) -> int:
+        """Examples in a dataloader's dataset (HF)."""
+        dataset = getattr(dataloader, "dataset", dataloader)
+        return len(dataset)
+
+    def num_tokens(self, train_dl: Any, max_steps: int | None = None) -> int:
+        """Input tokens in ``train_dl`` (``input_ids`` elements), over at most ``max_steps`` batches."""
+        batches = itertools.islice(train_dl, max_steps)
+        return sum(int(b["input_ids"].numel()) for b in batches if isinstance(b, Mapping) and "input_ids" in b)

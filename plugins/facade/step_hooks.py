@@ -1,0 +1,176 @@
+"""The step hooks of the ``Trainer``: HF's overridable ``compute_loss`` / ``training_step`` /
+``prediction_step`` and how the engine's step goes through them.
+
+A mixin of ``Trainer``. ``_install_step_hooks`` sets the engine's ``forward`` / ``compute_loss`` /
+``backward`` / ``prediction_step`` hooks so that a subclass's overrides run where HF runs them, and
+routes a logging point's record through an overridden ``log``. ``num_items_in_batch`` (the items of
+the step's whole accumulation window) comes from ``engine.step_outputs``, where the accumulation
+plugin publishes it at STEP_START.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from trainbus.engine import Event, LogEvent, Priority
+from trainbus.hooks import forward as default_forward
+from trainbus.hooks import get_labels
+
+from ..evaluation.collector import hf_prediction_step
+from .composition import Computed as _Computed
+from .loss_protocol import honours_num_items
+from .trainer_checks import compute_loss as trainer_compute_loss
+from .trainer_checks import loss_from_outputs
+
+
+class TrainerStepHooks:
+    """HF's step methods and the engine hooks that call them (a mixin of ``Trainer``)."""
+
+    #: HF: whether compute_loss's loss is already normalised over the accumulation window (None: only
+    #: when a compute_loss_func made it from num_items_in_batch); a subclass with its own loss may set it
+    loss_is_scaled_for_ga: bool | None = None
+
+    # provided by Trainer / Engine
+    args: Any
+    model: torch.nn.Module
+    hooks: Any
+    label_names: Any
+    step_outputs: dict[str, Any]
+    compute_loss_func: Any
+    model_accepts_loss_kwargs: bool
+    _count_items: Any
+    _prediction_loss_only: bool
+    _ignore_keys: list[str] | None
+    overrides: Any
+    set_hook: Any
+    on: Any
+    log: Any
+
+    def _install_step_hooks(self) -> None:
+        self.set_hook("compute_loss", trainer_compute_loss)  # its no-loss error speaks to a Trainer user
+        if self.overrides("training_step"):
+            self.set_hook("forward", self._forward_training_step)
+            self.set_hook("compute_loss", lambda outputs, batch: outputs.loss)
+            base_backward = self.hooks.backward
+            self.set_hook("backward", lambda loss: base_backward(loss) if loss.requires_grad else None)
+        elif self.overrides("compute_loss") or self.compute_loss_func is not None:
+            self.set_hook("forward", self._forward_compute_loss)
+            self.set_hook("compute_loss", lambda outputs, batch: outputs.loss)
+        elif self.model_accepts_loss_kwargs:
+            self.set_hook("forward", self._forward_with_loss_kwargs)
+        self.set_hook("prediction_step", self._prediction_step_hook)
+        if self.overrides("log"):
+            # after TrainLogger filled a logging point's record, before history and sinks read it
+            self.on(Event.LOG, self._log_through_override, priority=Priority.PRODUCER.after("*"), name="Trainer.log")
+
+    def _log_through_override(self, ev: LogEvent) -> None:
+        """A logging point's record goes through the subclass's ``log`` (HF calls ``self.log(logs, start_time)``)."""
+        if not ev.window or not ev.logs:
+            return
+        logs = {k: v for k, v in ev.logs.items() if k not in ("epoch", "num_input_tokens_seen")}  # log() adds them
+        ev.logs.clear()  # this payload is dropped; self.log fires the record anew
+        self.log(logs, None)
+
+    def _forward_compute_loss(self, model: torch.nn.Module, batch: Any) -> Any:
+        if not model.training and get_labels(batch, tuple(self.label_names)) is None:
+            return default_forward(model, batch)  # HF's prediction_step: no labels, no compute_loss
+        items = self._num_items_in_batch(batch) if model.training else None
+        result = self.compute_loss(model, batch, return_outputs=True, num_items_in_batch=items)
+        loss, outputs = result if isinstance(result, tuple) else (result, None)
+        return _Computed(loss, outputs)
+
+    def _forward_with_loss_kwargs(self, model: torch.nn.Module, batch: Any) -> Any:
+        """HF's call: a training forward with labels also gets ``num_items_in_batch`` (the window's items)."""
+        if model.training and isinstance(batch, Mapping) and "labels" in batch:
+            return model(**batch, num_items_in_batch=self._num_items_in_batch(batch))
+        return default_forward(model, batch)
+
+    def _num_items_in_batch(self, batch: Any) -> Any:
+        """HF's ``num_items_in_batch``: the items (labels not -100) of this step's whole accumulation window.
+
+        The accumulation plugin counts them once per window (across processes with
+        average_tokens_across_devices) into ``step_outputs``; without one, the items of this batch.
+        """
+        items = self.step_outputs.get("num_items_in_batch")
+        return items if items is not None else self._count_items(batch)
+
+    def _loss_is_scaled_for_ga(self) -> bool:
+        """Whether the loss is already normalised over the window (HF's ``loss_is_scaled_for_ga``).
+
+        It is when a compute_loss_func made it (with num_items_in_batch), or when the model divides
+        by the ``num_items_in_batch`` it is passed. Unlike HF, a ``**kwargs`` forward that ignores
+        the count (BERT's heads, T5) returns its own mean, which accumulation still weights.
+        """
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        if self.compute_loss_func is not None:
+            return True
+        return "labels" in self.label_names and honours_num_items(self.model)
+
+    def _forward_training_step(self, model: torch.nn.Module, batch: Any) -> Any:
+        if model.training and torch.is_grad_enabled():
+            return _Computed(self.training_step(model, batch, self._num_items_in_batch(batch)), None)
+        if self.overrides("compute_loss") or self.compute_loss_func is not None:
+            return self._forward_compute_loss(model, batch)
+        return _Computed(*TrainerStepHooks.compute_loss(self, model, batch, return_outputs=True))
+
+    def _prediction_step_hook(
+        self, model: torch.nn.Module, batch: Any, forward: Any, compute_loss: Any, label_names: Any
+    ) -> tuple[Any, Any, Any]:
+        return self.prediction_step(model, batch, self._prediction_loss_only, self._ignore_keys)
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """The model's loss (or ``compute_loss_func(outputs, labels, num_items_in_batch=...)``)."""
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None and isinstance(inputs, Mapping):
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}  # HF: the model normalises by it
+        if self.compute_loss_func is None:
+            outputs = default_forward(model, inputs)
+            loss = loss_from_outputs(outputs, inputs)
+        else:
+            labels = get_labels(inputs, tuple(self.label_names))
+            if isinstance(inputs, Mapping):
+                inputs = {k: v for k, v in inputs.items() if k not in self.label_names}
+            outputs = default_forward(model, inputs)
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """Forward, loss divided by the accumulation steps, backward; returns the detached loss (HF)."""
+        model.train()
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if isinstance(loss, tuple):
+            loss = loss[0]
+        if not self._loss_is_scaled_for_ga():
+            loss = loss / self.args.gradient_accumulation_steps
+        self.hooks.backward(loss)
+        return loss.detach()
+
+    def prediction_step(
+        self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[Any, Any, Any]:
+        """(loss, logits, labels) for one batch; logits are every model output but the loss (HF)."""
+        computed: dict[str, Any] = {}
+
+        def forward(m: torch.nn.Module, b: Any) -> Any:
+            out = self.hooks.forward(m, b)
+            if isinstance(out, _Computed):
+                computed["loss"] = out.loss
+                return out.outputs
+            return out
+
+        def loss_of(out: Any, b: Any) -> Any:
+            return computed["loss"] if "loss" in computed else self.hooks.compute_loss(out, b)
+
+        loss, logits, labels = hf_prediction_step(ignore_keys)(model, inputs, forward, loss_of, self.label_names)
+        if loss is not None:
+            loss = loss.detach().mean()
+        return (loss, None, None) if prediction_loss_only else (loss, logits, labels)
