@@ -62,7 +62,8 @@ from .resuming import (
     rng_file_stems,
 )
 from .rotation import checkpoints_to_keep, delete_or_warn, rotate_checkpoints, same_path
-from .sharded import save_sharded_checkpoint, saved_by_every_rank
+from .sharded import saved_by_every_rank
+from .sharded_save import save_sharded_checkpoint
 
 logger = logging.getLogger("trainbus.checkpoint")
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoints import checkpoint as ckpt
-from ..checkpoints.sharded import save_full_model, saved_by_every_rank
+from ..checkpoints.sharded import saved_by_every_rank
+from ..checkpoints.sharded_save import save_full_model
 from ..distributed.processes import barrier
 from .model_card import write_model_card
 from .model_folder import write_processing_files, write_training_args
