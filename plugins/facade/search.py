@@ -149,6 +149,19 @@ def hyperparameter_search(
         >>> best = hyperparameter_search(trainer, n_trials=10)  # doctest: +SKIP
         >>> best.run_id, best.objective, best.hyperparameters  # doctest: +SKIP
     """
+    directions = _check_search(trainer, backend, n_trials, direction, kwargs)
+    optuna = _import_optuna()
+    optimize_kwargs = _optimize_kwargs(kwargs)
+    objective = _objective(trainer, hp_space, compute_objective, hp_name, directions, optuna)
+    study = optuna.create_study(
+        direction=None if directions is not None else direction, directions=directions, **kwargs
+    )
+    study.optimize(objective, n_trials=n_trials, **optimize_kwargs)
+    return _best_runs(study, directions, optuna)
+
+
+def _check_search(trainer: Any, backend: Any, n_trials: Any, direction: Any, kwargs: Mapping[str, Any]) -> Any:
+    """Refuse what the search cannot run, before any trial; returns the list of directions (None: one objective)."""
     backend_name = "optuna" if backend is None else str(getattr(backend, "value", backend)).lower()
     if backend_name not in BACKENDS:
         raise ConfigError(
@@ -187,7 +200,11 @@ def hyperparameter_search(
             f"n_jobs={n_jobs!r}: trainbus runs hyperparameter search trials one at a time (n_jobs=1); "
             "run several searches on one shared optuna storage to parallelise"
         )
-    optuna = _import_optuna()
+    return directions
+
+
+def _optimize_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take ``study.optimize``'s keyword arguments out of ``kwargs``; the rest must be ``create_study``'s."""
     optimize_kwargs = {k: kwargs.pop(k) for k in OPTIMIZE_KWARGS if k in kwargs}
     unknown = [k for k in kwargs if k not in CREATE_STUDY_KWARGS]
     if unknown:
@@ -196,7 +213,14 @@ def hyperparameter_search(
             f"hyperparameter_search got unknown keyword arguments {unknown}"
             f"{suggest(unknown[0], allowed)}; optuna takes {', '.join(allowed)}"
         )
+    return optimize_kwargs
 
+
+def _objective(
+    trainer: Any, hp_space: Any, compute_objective: Any, hp_name: Any, directions: list[Any] | None, optuna: Any
+) -> Callable[[Any], float | list[float]]:
+    """optuna's objective: one trial trains a fresh Trainer and returns its objective (or is pruned)."""
+    model_init = trainer.model_init
     space = default_hp_space_optuna if hp_space is None else hp_space
     objective_of = default_compute_objective if compute_objective is None else compute_objective
     n_objectives = 1 if directions is None else len(directions)
@@ -222,10 +246,11 @@ def hyperparameter_search(
             value = objective_of(run.evaluate())
         return _check_objective(value, n_objectives)
 
-    study = optuna.create_study(
-        direction=None if directions is not None else direction, directions=directions, **kwargs
-    )
-    study.optimize(objective, n_trials=n_trials, **optimize_kwargs)
+    return objective
+
+
+def _best_runs(study: Any, directions: list[Any] | None, optuna: Any) -> BestRun | list[BestRun]:
+    """The best run (one objective) or the Pareto-best runs; a ValueError when no trial completed."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     if not done:
         states = [t.state.name for t in study.trials]
