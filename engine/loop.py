@@ -337,7 +337,8 @@ class Engine(Passes, Assembly, Lifecycle):
         assert optimizer is not None and self.train_data is not None
         batches = self.hooks.epoch_iterator(self.train_data, epoch, state.batches_in_epoch)
         k = self.accumulation_steps
-        batches_per_epoch = data_length(self.train_data) if steps_per_epoch else None
+        # data without a length (an iterable dataset) counts max_steps windows as its epoch, as HF does
+        batches_per_epoch = data_length(self.train_data) if steps_per_epoch else max_steps * k
         windows = zip(batches) if k == 1 else _windows(batches, k)  # zip builds the 1-tuples in C
         callers, step_outputs = bus.callers, self.step_outputs
         hooks = None

@@ -199,3 +199,17 @@ def test_a_finished_pass_moves_the_shuffle_on_without_set_epoch() -> None:
     assert first != second and sorted(first) == sorted(second) == list(range(20))
     sampler.set_epoch(0)
     assert list(sampler) == first  # set_epoch still pins the order (resume)
+
+
+def test_an_iterable_dataset_counts_max_steps_as_its_epoch(tmp_path: Path) -> None:
+    """As transformers: without a length, the epoch fraction is the share of max_steps done."""
+
+    class Stream(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
+        def __iter__(self) -> Any:
+            for i in range(1000):
+                yield {"input_ids": torch.tensor([2 + i % 8, 3]), "labels": torch.tensor(i % 2)}
+
+    args = args_for(tmp_path, per_device_train_batch_size=2, max_steps=4, logging_steps=1)
+    trainer = Trainer(tiny_bert(), args, train_dataset=Stream())
+    trainer.train()
+    assert [e["epoch"] for e in trainer.state.log_history if "loss" in e] == [0.25, 0.5, 0.75, 1.0]
