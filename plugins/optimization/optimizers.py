@@ -196,17 +196,7 @@ def create_optimizer(
         >>> [(g["weight_decay"], g["momentum"]) for g in opt.param_groups]
         [(0.01, 0.9), (0.0, 0.9)]
     """
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not (lr >= 0):
-        raise ConfigError(f"lr must be >= 0, got {lr!r}")
-    if not (weight_decay >= 0):
-        raise ConfigError(f"weight_decay must be >= 0, got {weight_decay!r}")
-    for label, beta in (("adam_beta1", adam_beta1), ("adam_beta2", adam_beta2)):
-        if not 0 <= beta < 1:
-            raise ConfigError(f"{label} must be in [0, 1), got {beta!r}")
-    if not (adam_epsilon >= 0):
-        raise ConfigError(f"adam_epsilon must be >= 0, got {adam_epsilon!r}")
+    _check_hyperparameters(model, lr, weight_decay, adam_beta1, adam_beta2, adam_epsilon)
     groups = parameter_groups(model, weight_decay)
     if not groups:
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
@@ -218,15 +208,39 @@ def create_optimizer(
             known = ", ".join(OPTIMIZER_NAMES)
             raise ConfigError(f"optimizer must be a name ({known}) or a class/factory, got {name!r}")
         return _instantiate(getattr(name, "__name__", repr(name)), name, groups, {"lr": lr, **extra})
-    spec = check_optim(
-        name, target_modules=optim_target_modules, weight_decay=weight_decay, has_cuda=_tensors_on_cuda(groups)
-    )
-    if spec.steps_in_backward and _processes() > 1:
-        raise ConfigError(f"optim={name!r} updates the parameters inside backward, which DDP does not support")
     request = OptimizerRequest(
         name, model, groups, lr, weight_decay, (adam_beta1, adam_beta2), adam_epsilon, extra,
         optim_target_modules, warmup_steps,
     )  # fmt: skip
+    return _build_named(request)
+
+
+def _check_hyperparameters(
+    model: Any, lr: float, weight_decay: float, adam_beta1: float, adam_beta2: float, adam_epsilon: float
+) -> None:
+    """A ConfigError for a model that is not a module or a hyperparameter out of its range."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (lr >= 0):
+        raise ConfigError(f"lr must be >= 0, got {lr!r}")
+    if not (weight_decay >= 0):
+        raise ConfigError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    for label, beta in (("adam_beta1", adam_beta1), ("adam_beta2", adam_beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"{label} must be in [0, 1), got {beta!r}")
+    if not (adam_epsilon >= 0):
+        raise ConfigError(f"adam_epsilon must be >= 0, got {adam_epsilon!r}")
+
+
+def _build_named(request: OptimizerRequest) -> torch.optim.Optimizer:
+    """The optimizer an ``optim`` name stands for, checked first (package, device, processes)."""
+    name, groups = request.name, request.groups
+    spec = check_optim(
+        name, target_modules=request.target_modules, weight_decay=request.weight_decay,
+        has_cuda=_tensors_on_cuda(groups),
+    )  # fmt: skip
+    if spec.steps_in_backward and _processes() > 1:
+        raise ConfigError(f"optim={name!r} updates the parameters inside backward, which DDP does not support")
     try:
         cls, params, kwargs = spec.resolve(request)
     except ImportError as exc:  # the package is there but one it imports is not
