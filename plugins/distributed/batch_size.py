@@ -149,26 +149,11 @@ def train_with_executable_batch_size(
 
     def attempt(batch_size: int) -> T:
         if failed:
-            previous, error = failed[-1]
-            logger.warning(
-                "auto_find_batch_size: out of memory at per-device train batch size %d (%s); "
-                "training again from the start with per-device train batch size %d",
-                previous,
-                str(error).splitlines()[0],
-                batch_size,
-            )
+            _warn_retry(*failed[-1], batch_size)
             start.restore()
         use_batch_size(batch_size)
         if failed:
-            stuck = start.restore_plugins()
-            if stuck:
-                logger.warning(
-                    "auto_find_batch_size: plugins %s do not return to their starting state (their "
-                    "load_state_dict does not restore what state_dict gave before training), so this attempt "
-                    "is not the run a fresh start with per-device train batch size %d would give",
-                    stuck,
-                    batch_size,
-                )
+            _warn_stuck(start.restore_plugins(), batch_size)
         evaluating["now"] = False
         try:
             return train()
@@ -192,6 +177,27 @@ def train_with_executable_batch_size(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _warn_retry(previous: int, error: BaseException, batch_size: int) -> None:
+    logger.warning(
+        "auto_find_batch_size: out of memory at per-device train batch size %d (%s); "
+        "training again from the start with per-device train batch size %d",
+        previous,
+        str(error).splitlines()[0],
+        batch_size,
+    )
+
+
+def _warn_stuck(stuck: list[str], batch_size: int) -> None:
+    if stuck:
+        logger.warning(
+            "auto_find_batch_size: plugins %s do not return to their starting state (their "
+            "load_state_dict does not restore what state_dict gave before training), so this attempt "
+            "is not the run a fresh start with per-device train batch size %d would give",
+            stuck,
+            batch_size,
+        )
 
 
 __all__ = ["EVAL_OOM", "halve", "same_state", "train_with_executable_batch_size"]
