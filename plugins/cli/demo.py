@@ -118,6 +118,31 @@ def run_demo(output_dir: str, epochs: int, seed: int = 42, stream: TextIO | None
         torch.set_num_threads(threads)
 
 
+def _demo_settings(epochs: int, seed: int) -> dict[str, Any]:
+    """The demo's TrainingArguments: accumulation, clipping, a cosine schedule, epoch evaluation, the best model."""
+    return {
+        "num_train_epochs": epochs,
+        "per_device_train_batch_size": 32,
+        "per_device_eval_batch_size": 256,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 5e-3,
+        "weight_decay": 0.01,
+        "max_grad_norm": 1.0,
+        "lr_scheduler_type": "cosine",
+        "warmup_ratio": 0.05,
+        "logging_strategy": "epoch",
+        "eval_strategy": "epoch",
+        "save_strategy": "epoch",
+        "save_total_limit": 2,
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "accuracy",
+        "report_to": ["jsonl", "csv"],
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "seed": seed,
+    }
+
+
 def _demo(output_dir: str, epochs: int, seed: int, out: TextIO) -> dict[str, Any]:
     from ..control.early_stopping import EarlyStopping
     from ..facade.arguments import TrainingArguments
@@ -128,28 +153,7 @@ def _demo(output_dir: str, epochs: int, seed: int, out: TextIO) -> dict[str, Any
 
     started = time.perf_counter()
     data = digits_splits(seed)
-    args = TrainingArguments(
-        output_dir,
-        num_train_epochs=epochs,
-        per_device_train_batch_size=32,
-        per_device_eval_batch_size=256,
-        gradient_accumulation_steps=2,
-        learning_rate=5e-3,
-        weight_decay=0.01,
-        max_grad_norm=1.0,
-        lr_scheduler_type="cosine",
-        warmup_ratio=0.05,
-        logging_strategy="epoch",
-        eval_strategy="epoch",
-        save_strategy="epoch",
-        save_total_limit=2,
-        load_best_model_at_end=True,
-        metric_for_best_model="accuracy",
-        report_to=["jsonl", "csv"],
-        disable_tqdm=True,
-        use_cpu=True,
-        seed=seed,
-    )
+    args = TrainingArguments(output_dir, **_demo_settings(epochs, seed))
     table = EpochTable(out)
     extras: list[Any] = []
     try:
