@@ -19,9 +19,9 @@ def _lrs(trainer, steps):
 SCHEDULES = {
     "polynomial_kwargs": ("polynomial", {"power": 5.0, "lr_end": 1e-5}),  # test_lr_scheduler_kwargs
     "cosine_with_min_lr": ("cosine_with_min_lr", {"min_lr": 1e-5}),  # test_cosine_with_min_lr_scheduler
+    # test_cosine_with_min_lr_schedule_with_warmup_lr_rate
+    "cosine_warmup_with_min_lr": ("cosine_warmup_with_min_lr", {"min_lr": 1e-5, "warmup_lr_rate": 0.1}),
 }
-# test_cosine_with_min_lr_schedule_with_warmup_lr_rate ("cosine_warmup_with_min_lr") is left out: trainbus
-# does not know that scheduler name (docs/hf_differential.md)
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))

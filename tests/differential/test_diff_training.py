@@ -235,9 +235,10 @@ def test_loader_without_dataset_attribute__mirrors_test_dataloader_without_datas
     # what transformers' test pins (training and evaluation run without loader.dataset): agreed
     assert hf_out.global_step == tb_out.global_step == 96  # two loaders of 16 batches, 3 epochs
     assert hf_m.keys() == tb_m.keys()
-    # Not compared: the weights. accelerate's SeedableRandomSampler advances its own epoch after each
-    # pass, so the first inner loader reshuffles every epoch; trainbus's sampler is reseeded through
-    # set_epoch, which this wrapper does not forward, so both inner loaders replay epoch 0's order.
+    # Not compared: the weights. The wrapper forwards no set_epoch; both samplers now move to the next
+    # epoch after a finished pass by themselves (accelerate's SeedableRandomSampler, trainbus's
+    # EpochSampler: before, trainbus replayed epoch 0's order, 1e-2 off after 96 steps), but a 4.5e-3
+    # relative difference on a weight near 0.002 remains, not traced yet (docs/hf_differential.md).
 
 
 def test_iterable_train_dataset__mirrors_test_training_iterable_dataset(tmp_path):
@@ -252,10 +253,8 @@ def test_iterable_train_dataset__mirrors_test_training_iterable_dataset(tmp_path
     hf, tb = run_both(scenario, tmp_path)
     assert hf.state.global_step == tb.state.global_step == 4
     assert_same_weights(hf.model, tb.model)
-    # Not compared: ``epoch``. Without a length transformers counts the epoch over max_steps (1.0 after
-    # 4 of 4 steps); trainbus's loop (engine/loop.py) has no batches_per_epoch and leaves it at 0.0.
-    drop_epoch = [{k: v for k, v in r.items() if k != "epoch"} for r in hf.state.log_history]
-    assert_same_logs(drop_epoch, [{k: v for k, v in r.items() if k != "epoch"} for r in tb.state.log_history])
+    # without a length both count the epoch over max_steps (1.0 after 4 of 4 steps)
+    assert_same_logs(hf.state.log_history, tb.state.log_history)
 
 
 def test_interrupted_then_resumed_elsewhere__mirrors_test_resume_from_interrupted_training(tmp_path):
