@@ -25,6 +25,7 @@ import json
 import mmap
 import os
 import random
+import socket
 import stat
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -63,7 +64,7 @@ class _Hasher(Protocol):
 HASHES: dict[str, Callable[..., _Hasher]] = {HASH: xxhash.xxh3_128, "sha256": hashlib.sha256}
 _SYNC_THREADS = 16
 _READ_MAX = 64 << 10  # bytes: a file up to this size is hashed from a copy, not a memory map (digest_file)
-_POOL: ThreadPoolExecutor | None = None  # see _sync_pool
+_POOL: ThreadPoolExecutor | None = None  # see io_pool
 
 
 # -- files ----------------------------------------------------------------------------------------
@@ -92,17 +93,18 @@ def sync_files(directory: Path, names: Iterable[str]) -> None:
     raises its first error.
     """
     paths = [directory / name for name in names] + [directory]
-    pending = [_sync_pool().submit(fsync_path, path) for path in paths]
+    pending = [io_pool().submit(fsync_path, path) for path in paths]
     futures.wait(pending)  # all of them, even after a failure: none may still run when the caller cleans up
     for future in pending:
         future.result()
 
 
-def _sync_pool() -> ThreadPoolExecutor:
-    """The threads that run fsyncs, kept for the next save (starting them cost 1 ms each on a busy machine)."""
+def io_pool() -> ThreadPoolExecutor:
+    """The threads that run a save's fsyncs and a load's hashes, kept for the next one (starting them cost 1 ms
+    each on a busy machine). Both wait in the kernel or in xxhash, which releases the GIL on large inputs."""
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=_SYNC_THREADS, thread_name_prefix="trainbus-fsync")
+        _POOL = ThreadPoolExecutor(max_workers=_SYNC_THREADS, thread_name_prefix="trainbus-io")
     return _POOL
 
 
@@ -342,7 +344,22 @@ def write_manifest(
     """
     entries = entries or {}
     listed = {name: dict(entries[name]) if name in entries else file_entry(directory / name) for name in files}
-    return write_json(directory / MANIFEST, {"format": FORMAT, "version": VERSION, **info, "files": listed})
+    launch = {"torchelastic_run": run} if (run := torchelastic_run()) is not None else {}
+    return write_json(directory / MANIFEST, {"format": FORMAT, "version": VERSION, **info, **launch, "files": listed})
+
+
+def torchelastic_run() -> str | None:
+    """The torchrun launch this process belongs to, the same across its restarts; None outside torchrun.
+
+    torchrun's ``--rdzv-id`` (a fresh uuid under ``--standalone``). Without one (``none``: a static
+    rendezvous), the agent that started this worker, host and pid: the restarts of a launch keep it
+    on the node of rank 0, which alone writes checkpoints. A checkpoint's manifest records it, so a
+    restarted worker knows the checkpoints its launch wrote (``resuming.resume_after_restart``).
+    """
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run is None:
+        return None
+    return run if run not in ("", "none") else f"{socket.gethostname()}:{os.getppid()}"
 
 
 # -- model weights --------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ __all__ = [
     "read_checkpoint",
     "resolve_checkpoint",
     "resume",
+    "resume_after_restart",
     "resumed_batch_size",
     "rng_file_stems",
 ]
@@ -98,8 +99,8 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Loaded:
         raise DamagedCheckpoint(f"{directory / cio.MANIFEST}: world_size is not an integer")
     _check_resumable(directory, manifest)
     sharded = SHARDED in manifest
+    files = verified.CheckedFiles(directory, manifest, verify=verify)
     try:
-        files = verified.CheckedFiles(directory, manifest, verify=verify)
         state = _trainer_state(files, manifest)  # the small files first: a damaged one fails before the large
         plugins = files.bundle("plugins")
         if not isinstance(plugins, dict):
@@ -115,8 +116,12 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Loaded:
             if not isinstance(optimizer, dict):
                 raise DamagedCheckpoint(f"checkpoint file {directory / 'optimizer.json'} does not hold a state dict")
             files.finish()  # every other rank's RNG states too: the checkpoint is whole, or nothing is applied
+        else:
+            files.settle()  # the shared files' hashes (each rank checks its slices as it reads them)
     except Exception as exc:  # a file of the checkpoint made reading fail: damaged, whatever the error
         raise damaged(directory, exc) from exc
+    finally:
+        files.close()  # no hash still reads a file of it after a failure
     return Loaded(directory, manifest, state, plugins, rng, weights, optimizer, sharded)
 
 
@@ -331,6 +336,36 @@ def verify_best_weights(directory: Path) -> dict[str, Any]:
     except Exception as exc:
         raise damaged(directory, exc) from exc
     return manifest
+
+
+def resume_after_restart(checkpoint: str | Path | bool | None, output_dir: str | Path | None) -> Any:
+    """``resume_from_checkpoint`` for ``train()``: True in a worker torchrun restarted, when its launch wrote the
+    newest checkpoint in ``output_dir``; else ``checkpoint`` as given.
+
+    Under ``torchrun --max-restarts N`` a failed worker group is started again with the same command:
+    without this each restart would be a fresh run refused by the checkpoints its first attempt wrote
+    (``lock.check_fresh_run``). Only an unset ``resume_from_checkpoint`` (None) is decided here, only
+    from the second attempt on (``TORCHELASTIC_RESTART_COUNT`` > 0), and only when the newest
+    checkpoint's manifest names this launch (``io.torchelastic_run``): another run's checkpoints
+    are still refused, never resumed. Rank 0 decides for every rank.
+    """
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if checkpoint is not None or output_dir is None or not restarts.isdigit() or int(restarts) == 0:
+        return checkpoint
+    latest = None
+    if rank() == 0:
+        newest = latest_checkpoint(output_dir)
+        try:
+            manifest = verified.read_manifest(newest, verify=False) if newest is not None else {}
+        except DamagedCheckpoint:
+            manifest = {}
+        if manifest.get("torchelastic_run") == cio.torchelastic_run():
+            latest = str(newest)
+    latest = broadcast_from_main(latest)
+    if latest is None:
+        return checkpoint
+    logger.warning("torchrun restart %s: resuming from this launch's newest checkpoint, %s", restarts, latest)
+    return True
 
 
 def resumed_batch_size(checkpoint: str | Path | bool, output_dir: str | None) -> tuple[Path, int | None]:

@@ -19,6 +19,7 @@ import torch
 from trainbus.engine import ConfigError, Engine, Plugin, State
 
 from ..checkpoints import checkpoint as ckpt
+from ..checkpoints.resuming import resume_after_restart
 from ..data.loading import (
     DataCollatorWithPadding,
     default_data_collator,
@@ -198,6 +199,8 @@ class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities
             raise ConfigError(f"train() got unexpected arguments {sorted(kwargs)}; it takes resume_from_checkpoint")
         if self.train_data is None:
             raise ConfigError("Trainer.train() needs a train_dataset")
+        # a worker torchrun restarted goes on from its launch's last checkpoint
+        resume_from_checkpoint = resume_after_restart(resume_from_checkpoint, self.args.output_dir)
         if self.args.auto_find_batch_size:  # halve the batch on out-of-memory and start over (HF)
             self.create_optimizer()  # every attempt starts from its state
             resume, start = resume_from_checkpoint, self._train_batch_size

@@ -1,0 +1,124 @@
+"""More than one machine, simulated on this one, and torchrun's restarts (issue 23, item 12).
+
+Two nodes x one process: two torchrun agents (``--nnodes 2 --nproc_per_node 1``) meet at a c10d rendezvous
+on localhost, as two machines of a cluster would, and train like one process with the same global batch.
+Under ``torchrun --max-restarts 1`` a worker that dies (SIGKILL, at step 5, on the first attempt only)
+makes torchrun start the group again; the restarted ``train()`` goes on from the launch's last checkpoint
+by itself (``resuming.resume_after_restart``) and ends bit for bit where the uninterrupted run ends.
+Jobs are in ``elastic_jobs.py``; gloo on the CPU, float64.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.dist_helpers import assert_close, free_port, launch_job, results, untimed
+from trainbus.engine import ConfigError
+
+JOBS = Path(__file__).with_name("elastic_jobs.py")
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _torchrun(options: list[str], job: str, out: Path) -> subprocess.Popen[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", *options, str(JOBS), job, str(out)]
+    return subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(launches: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+    """Every launch's output; each must succeed within ``timeout`` s."""
+    try:
+        logs = [launch.communicate(timeout=timeout)[0] for launch in launches]
+    finally:
+        for launch in launches:
+            if launch.poll() is None:
+                launch.kill()
+    for i, (launch, log) in enumerate(zip(launches, logs, strict=True)):
+        assert launch.returncode == 0, f"torchrun {i} failed:\n{log[-6000:]}"
+    return logs
+
+
+def _launch_two_nodes(job: str, out: Path, timeout: float = 120) -> None:
+    """Two torchrun agents, one per simulated node, meeting at a c10d rendezvous on localhost."""
+    port = free_port()
+    options = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}",
+               "--rdzv_id=two-nodes", "--local_addr=127.0.0.1"]  # fmt: skip
+    _wait([_torchrun([*options, f"--node_rank={node}"], job, out) for node in (0, 1)], timeout)
+
+
+def _assert_same_run(one: dict, other: dict, *, exact: bool) -> None:
+    if exact:
+        assert one["params"] == other["params"]
+        assert untimed(one["log_history"]) == untimed(other["log_history"])
+        assert one["training_loss"] == other["training_loss"]
+    else:
+        assert_close(one["params"], other["params"], "params")
+        assert_close(untimed(one["log_history"]), untimed(other["log_history"]), "log_history")
+        assert_close(one["training_loss"], other["training_loss"], "training_loss")
+    assert one["global_step"] == other["global_step"] == 9
+
+
+def test_two_nodes_of_one_process_train_as_one_process(tmp_path: Path) -> None:
+    _launch_two_nodes("nodes", tmp_path / "nodes")
+    launch_job(JOBS, "nodes", tmp_path / "one", 1, timeout=120)
+    alone = results(tmp_path / "one", "nodes")
+    ranks = [results(tmp_path / "nodes", "nodes", rank) for rank in (0, 1)]
+    assert alone["world_size"] == 1 and [r["world_size"] for r in ranks] == [2, 2]
+    assert sorted(r["group_rank"] for r in ranks) == ["0", "1"]  # one process on each node
+    for rank in ranks:
+        _assert_same_run(rank, alone, exact=False)  # float64: agree to 1e-10 (another reduction order)
+    assert ranks[0]["params"] == ranks[1]["params"]  # DDP: the ranks hold the same weights
+
+
+def test_a_killed_worker_is_restarted_and_goes_on_from_its_last_checkpoint_bit_exact(tmp_path: Path) -> None:
+    restarted, whole = tmp_path / "restarted", tmp_path / "whole"
+    launch_job(JOBS, "nodes", whole, 2, timeout=120)  # the same run, never interrupted
+    options = ["--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    log = _wait([_torchrun(options, "restarted", restarted)], timeout=150)[0]
+    assert (restarted / "killed-at-5").exists()  # the first attempt died at step 5
+    assert "resuming from this launch's newest checkpoint" in log
+    for rank in (0, 1):
+        resumed, uninterrupted = results(restarted, "restarted", rank), results(whole, "nodes", rank)
+        assert resumed["restarts"] == 1
+        assert resumed["forwards"] == 9 - 4  # the second attempt trained steps 5-9 only: it resumed checkpoint-4
+        _assert_same_run(resumed, uninterrupted, exact=True)
+    manifest = json.loads((restarted / "run" / "checkpoint-8" / "manifest.json").read_text())
+    assert manifest["torchelastic_run"]  # the launch that wrote it, which a restart resumes and nothing else does
+
+
+def _regression_trainer(output_dir: Path, max_steps: int) -> Any:
+    from tests.facade_helpers import Regressor, quiet_args, regression_data
+    from trainbus.plugins import Trainer
+
+    args = quiet_args(output_dir, max_steps=max_steps, save_strategy="steps", save_steps=2, logging_steps=1)
+    return Trainer(Regressor(), args, train_dataset=regression_data(32))
+
+
+def test_a_restart_resumes_only_its_own_launchs_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-a")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    _regression_trainer(tmp_path, 4).train()  # launch a's first attempt: checkpoint-2 and checkpoint-4
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-b")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ConfigError, match="holds checkpoints this run did not write"):
+        _regression_trainer(tmp_path, 6).train()  # another launch's restart: refused as a fresh run, not resumed
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-a")
+    restarted = _regression_trainer(tmp_path, 6)
+    restarted.train()  # launch a's restart goes on from checkpoint-4
+    assert restarted.state.global_step == 6
+    assert [entry["step"] for entry in restarted.state.log_history if "loss" in entry] == [1, 2, 3, 4, 5, 6]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.raises(ConfigError, match="holds checkpoints this run did not write"):
+        _regression_trainer(tmp_path, 8).train()  # a first attempt never resumes by itself
