@@ -107,6 +107,15 @@ def write_model_card(
     lines += [f"- {k}: {getattr(v, 'value', v)}" for k, v in changed.items()] or ["- the defaults"]
     total = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
     lines.append(f"- total train batch size: {total}")
+    lines += _results_and_versions(history, root)
+    path = root / "README.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _results_and_versions(history: list[dict[str, Any]], root: Path) -> list[str]:
+    """The card's training results table, its curves (drawn into ``root`` when matplotlib is there), versions."""
+    lines: list[str] = []
     table = results_table(history)
     if table:
         lines += ["", "### Training results", "", *table]
@@ -123,9 +132,7 @@ def write_model_card(
         version = _version(package)
         if version is not None:
             lines.append(f"- {package} {version}")
-    path = root / "README.md"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
+    return lines
 
 
 def _plain(model: Any) -> Any:
