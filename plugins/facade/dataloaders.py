@@ -23,6 +23,7 @@ class TrainerData:
     # provided by Trainer / Engine
     args: Any
     train_dataset: Any
+    eval_dataset: Any
     processing_class: Any
     data_collator: Callable[[list[Any]], Any]
     label_names_arg: list[str]

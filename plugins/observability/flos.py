@@ -51,7 +51,7 @@ class FloCounter(Plugin):
         120.0
     """
 
-    def __init__(self, flos_of: Callable[[Mapping[str, Any]], int] | None = None) -> None:
+    def __init__(self, flos_of: Callable[[Any], int] | None = None) -> None:
         self.flos_of = flos_of
         #: FLOs counted since they were last added to ``state.total_flos`` (HF's ``current_flos``)
         self.current_flos = 0.0
