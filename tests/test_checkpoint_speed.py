@@ -288,6 +288,7 @@ def test_checkpoint_benchmark_runs_every_row(capsys: pytest.CaptureFixture[str])
     assert all(len(row) == 2 and all(t > 0 for t in row) for row in times.values())
     table = capsys.readouterr().out
     assert "trainbus save_checkpoint" in table and "x save_file + fsync" in table
+    assert "x load_file + into place" in table  # issue 23 item 11's baseline: copies into memory in use, no hash
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc to list file mappings")
