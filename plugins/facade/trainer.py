@@ -6,6 +6,10 @@ Porting a script means changing the import::
 
 Subclass overrides of ``compute_loss``, ``training_step``, ``prediction_step``, ``evaluate`` and
 ``log`` are honoured as in HF: the engine's step hooks call the overriding methods.
+
+The methods live with their ideas, as mixins: the step hooks and HF's step methods (``step_hooks.py``),
+the dataloaders (``dataloaders.py``), the optimizer and scheduler (``optimizer_setup.py``), the
+script helpers (``utilities.py``); ``save_model`` is ``saving.py``, the plugins are ``composition.py``'s.
 """
 
 from __future__ import annotations
