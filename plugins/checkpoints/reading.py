@@ -1,0 +1,151 @@
+"""Reading a checkpoint into an engine: verify its files, decode them, apply them (``resuming.py`` chooses which).
+
+``read_checkpoint`` reads and checks everything before ``apply_checkpoint`` changes anything, so a
+damaged or unfitting checkpoint leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from trainbus.engine import ConfigError, Engine, State
+
+from ..distributed.processes import rank, world_size
+from ..optimization.optimizer_fit import check_optimizer_fits
+from . import io as cio
+from . import verified
+from .frozen import check_base
+from .history import read_log_history
+from .safety import DamagedCheckpoint, damaged
+from .sharded import SHARDED, load_shards, world_size_error
+
+
+def rng_file_stems(processes: int) -> list[str]:
+    """The RNG bundles of a checkpoint written by ``processes`` processes: ``rng``, or ``rng-{rank}`` each."""
+    return ["rng"] if processes == 1 else [f"rng-{r}" for r in range(processes)]
+
+
+@dataclasses.dataclass
+class Loaded:
+    """Everything a checkpoint holds for this rank, read and checked, not yet applied."""
+
+    path: Path
+    manifest: dict[str, Any]
+    state: State
+    plugins: Any
+    rng: dict[str, Any]
+    weights: dict[str, Any] | None  # None for a sharded checkpoint: every rank reads its slices when applying
+    optimizer: Any
+    sharded: bool
+
+
+def _check_resumable(directory: Path, manifest: dict[str, Any]) -> None:
+    """A sound checkpoint that this run cannot resume from: a ConfigError, not damage."""
+    if manifest.get("model_only"):
+        raise ConfigError(
+            f"checkpoint {directory} was saved with save_only_model=True: it holds the model but no optimizer, "
+            "scheduler or RNG state, so training cannot resume from it; load its model.safetensors as weights, "
+            "or train with save_only_model=False to get resumable checkpoints"
+        )
+    written_by = manifest.get("world_size", 1)
+    if written_by != world_size():
+        raise ConfigError(
+            world_size_error(directory, written_by)
+            if SHARDED in manifest
+            else f"checkpoint {directory} was written by {written_by} process(es) but this run has {world_size()}: "
+            f"resume it with {written_by} (each rank's RNG states and data share depend on it)"
+        )
+
+
+def read_checkpoint(path: str | Path, *, verify: bool = True) -> Loaded:
+    """Read and check (``verify``) every file this rank needs; DamagedCheckpoint naming what failed.
+
+    Of a sharded checkpoint the shared files are read here and each rank's slices when it is applied.
+    """
+    directory = Path(path)
+    manifest = verified.read_manifest(directory, verify=False)  # DamagedCheckpoint whatever fails
+    if not isinstance(manifest.get("world_size", 1), int):
+        raise DamagedCheckpoint(f"{directory / cio.MANIFEST}: world_size is not an integer")
+    _check_resumable(directory, manifest)
+    sharded = SHARDED in manifest
+    files = verified.CheckedFiles(directory, manifest, verify=verify)
+    try:
+        state = _trainer_state(files, manifest)  # the small files first: a damaged one fails before the large
+        plugins = files.bundle("plugins")
+        if not isinstance(plugins, dict):
+            raise DamagedCheckpoint(f"checkpoint file {directory / 'plugins.json'} does not hold a dict of states")
+        stem = rng_file_stems(manifest.get("world_size", 1))[rank()]
+        rng = files.bundle(stem)
+        if not isinstance(rng, dict) or "python" not in rng or "torch" not in rng:
+            raise DamagedCheckpoint(f"checkpoint file {directory / (stem + '.json')} lacks the python/torch RNG states")
+        weights = optimizer = None
+        if not sharded:
+            weights = files.tensors("model.safetensors")
+            optimizer = files.bundle("optimizer")
+            if not isinstance(optimizer, dict):
+                raise DamagedCheckpoint(f"checkpoint file {directory / 'optimizer.json'} does not hold a state dict")
+            files.finish()  # every other rank's RNG states too: the checkpoint is whole, or nothing is applied
+        else:
+            files.settle()  # the shared files' hashes (each rank checks its slices as it reads them)
+    except Exception as exc:  # a file of the checkpoint made reading fail: damaged, whatever the error
+        raise damaged(directory, exc) from exc
+    finally:
+        files.close()  # no hash still reads a file of it after a failure
+    return Loaded(directory, manifest, state, plugins, rng, weights, optimizer, sharded)
+
+
+def _trainer_state(files: verified.CheckedFiles, manifest: dict[str, Any]) -> State:
+    path = files.directory / "trainer_state.json"
+    data = files.read_bytes(path.name)  # a missing or damaged file: its ConfigError names it
+    if len(data) > 64 and data.count(b"[") + data.count(b"{") > 64:
+        cio.parse_json(data, path)  # bounded in depth before State parses it
+    try:
+        state = State.from_json(data.decode("utf-8"))
+    except Exception as exc:
+        raise DamagedCheckpoint(f"checkpoint file {path} is not a valid trainer state: {exc}") from exc
+    older = read_log_history(files, manifest)  # the segments of a long history (history.py)
+    if older:
+        state.log_history = older + state.log_history
+    return state
+
+
+def apply_checkpoint(engine: Engine, loaded: Loaded, *, verify: bool = True) -> dict[str, Any]:
+    """Put what ``read_checkpoint`` read into ``engine``; returns the RNG states (not applied).
+
+    ``verify``: check this rank's slices of a sharded checkpoint as they are read.
+    """
+    if engine.optimizer is None:
+        raise ConfigError("resuming needs engine.optimizer: pass it to the Engine or attach the optimizer plugin first")
+    directory = loaded.path
+    if loaded.sharded:
+        load_shards(engine, directory, verify=verify)
+    elif loaded.weights is not None:
+        where = str(directory / "model.safetensors")
+        frozen = check_base(engine.model, loaded.manifest.get("frozen_base"), str(directory))
+        cio.load_weights(engine.model, loaded.weights, where, may_lack=frozen)
+        loaded.weights = None  # views of the mapped file: unmapped now
+        check_optimizer_fits(engine.optimizer, loaded.optimizer, directory)  # SGD from AdamW: say so, not KeyError
+        try:
+            engine.optimizer.load_state_dict(loaded.optimizer)
+        except (ValueError, KeyError, RuntimeError, IndexError, TypeError) as exc:
+            raise ConfigError(f"{directory / 'optimizer.json'} does not fit engine.optimizer: {exc}") from exc
+    state = loaded.state
+    # the fields as they are: State.to_dict() deep-copies them (the log history grows with the run)
+    fields = {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
+    engine.load_state_dict({"state": fields, "plugins": loaded.plugins})
+    return loaded.rng
+
+
+def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) -> dict[str, Any]:
+    """Verify a checkpoint and restore model, optimizer, state and plugins into ``engine``.
+
+    Returns the RNG states (not applied: ``resume`` applies them where the interrupted run was).
+    Reads only JSON and safetensors files listed in the manifest, each checked against it as it is
+    read (``verify=False``: the caller has just verified them), and applies nothing before every
+    listed file has been checked.
+    """
+    if engine.optimizer is None:
+        raise ConfigError("resuming needs engine.optimizer: pass it to the Engine or attach the optimizer plugin first")
+    return apply_checkpoint(engine, read_checkpoint(path, verify=verify), verify=verify)
