@@ -24,10 +24,8 @@ import inspect
 import json
 import mmap
 import os
-import random
 import socket
 import stat
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -42,12 +40,13 @@ import xxhash
 from trainbus.engine import ConfigError
 
 from . import codec
-from .safety import MAX_JSON_BYTES, DamagedCheckpoint, damaged, parse_bounded_json, plain_name
-
-try:  # numpy is optional: its RNG state is saved when it is installed
-    import numpy as np
-except ImportError:  # pragma: no cover - numpy ships with every supported torch
-    np = None  # type: ignore[assignment]
+from .rng import rng_state as rng_state  # re-exported: a checkpoint's RNG states (rng.py)
+from .rng import set_rng_state as set_rng_state
+from .safety import MAX_JSON_BYTES, DamagedCheckpoint, damaged, parse_bounded_json
+from .weights import load_model_weights as load_model_weights  # re-exported: a model's weights (weights.py)
+from .weights import load_weights as load_weights
+from .weights import save_model as save_model
+from .weights import save_weights as save_weights
 
 MANIFEST = "manifest.json"
 FORMAT = "trainbus-checkpoint"
@@ -360,134 +359,3 @@ def torchelastic_run() -> str | None:
     if run is None:
         return None
     return run if run not in ("", "none") else f"{socket.gethostname()}:{os.getppid()}"
-
-
-# -- model weights --------------------------------------------------------------------------------
-def save_weights(model: torch.nn.Module, path: Path) -> dict[str, Any]:
-    """Write the model's state dict to safetensors (tied weights once, as HF does); returns its manifest entry."""
-    st.save_model(model, str(path), metadata={"format": "pt"}, force_contiguous=True)  # see write_tensors
-    return _written(path)
-
-
-def load_weights(
-    model: torch.nn.Module, state: Mapping[str, torch.Tensor], where: str, may_lack: Iterable[str] = ()
-) -> None:
-    """Copy ``state`` into ``model``; keys missing only because they are tied to a loaded one are fine.
-
-    ``may_lack`` names keys a checkpoint leaves out on purpose (a verified frozen base's parameters).
-    Raises ConfigError naming ``where`` on unexpected or missing keys or shape mismatches.
-    """
-    own = model.state_dict(keep_vars=True)  # names and storages: no detached copies needed
-    unexpected = sorted(set(state) - set(own))
-    if unexpected:
-        raise ConfigError(f"{where} has weights the model lacks: {unexpected[:10]}")
-    if len(state) < len(own):  # some not loaded: each must be tied to a loaded one, or may be lacking
-        may_lack = set(may_lack)
-        loaded_ptrs = {(own[k].device, own[k].data_ptr()) for k in state if own[k].data_ptr() != 0}
-        missing = [
-            k
-            for k in own
-            if k not in state and k not in may_lack and (own[k].device, own[k].data_ptr()) not in loaded_ptrs
-        ]
-        if missing:
-            raise ConfigError(f"{where} lacks weights of the model: {missing[:10]}")
-    misfits = [k for k, t in state.items() if own[k].shape != t.shape]
-    if misfits:  # refused before anything is copied (load_state_dict copies the fitting ones, then raises)
-        shapes = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in misfits[:5]]
-        raise ConfigError(f"{where} does not fit the model: (name, saved shape, model shape) {shapes}")
-    try:
-        model.load_state_dict(dict(state), strict=False)
-    except RuntimeError as exc:
-        raise ConfigError(f"{where} does not fit the model: {exc}") from exc
-
-
-# -- RNG ------------------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
-    """The states of Python's ``random``, numpy's global generator, torch CPU and CUDA generators."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if np is not None:
-        state["numpy"] = np.random.get_state()
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what ``rng_state`` returned (CUDA states only when CUDA is available)."""
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if np is not None and "numpy" in state:
-        np.random.set_state(state["numpy"])
-    if "cuda" in state:
-        if torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(state["cuda"]))
-        else:
-            warnings.warn("the checkpoint holds CUDA RNG states but CUDA is not available; not restored", stacklevel=2)
-
-
-# -- final model ----------------------------------------------------------------------------------
-def save_model(
-    model: torch.nn.Module,
-    output_dir: str | Path,
-    *,
-    state_dict: Mapping[str, torch.Tensor] | None = None,
-    model_class: type | None = None,
-) -> Path:
-    """Save a model users can load (K6): ``save_pretrained`` for HF models, else safetensors + JSON.
-
-    A plain module gets ``model.safetensors`` and ``trainbus_model.json`` (its class and
-    parameter count); load it with ``load_model_weights(model, output_dir)``. ``state_dict`` gives
-    the tensors when the model's own are shards (a gathered FSDP / ZeRO model), ``model_class`` the
-    class to record when the model's type is a wrapper's.
-    """
-    root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    save_pretrained = getattr(model, "save_pretrained", None)
-    if callable(save_pretrained):
-        kwargs: dict[str, Any] = (
-            {"safe_serialization": True}
-            if "safe_serialization" in inspect.signature(save_pretrained).parameters
-            else {}
-        )
-        if state_dict is not None:
-            kwargs["state_dict"] = state_dict
-        save_pretrained(str(root), **kwargs)
-        return root
-    if state_dict is None:
-        save_weights(model, root / "model.safetensors")
-    else:
-        write_tensors(root / "model.safetensors", state_dict)
-    kind = model_class or type(model)
-    write_json(
-        root / "trainbus_model.json",
-        {
-            "format": "trainbus-model",
-            "class": f"{kind.__module__}.{kind.__qualname__}",
-            "weights": "model.safetensors",
-            "num_parameters": sum(p.numel() for p in model.parameters()),
-        },
-    )
-    sync_files(root, ["model.safetensors", "trainbus_model.json"])
-    return root
-
-
-def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
-    """Load weights saved by ``save_model`` or a checkpoint (safetensors only, also HF shards)."""
-    root = Path(directory)
-    single = root / "model.safetensors"
-    index = root / "model.safetensors.index.json"
-    if single.is_file() or single.is_symlink():  # a link is refused by read_tensors, not skipped
-        load_weights(model, read_tensors(single), str(single))
-        return
-    if index.is_file() or index.is_symlink():
-        document = read_json(index)
-        weight_map = document.get("weight_map") if isinstance(document, dict) else None
-        if not isinstance(weight_map, dict):
-            raise ConfigError(f"{index} has no 'weight_map' object")
-        state: dict[str, torch.Tensor] = {}
-        for shard in sorted({plain_name(name, index) for name in weight_map.values()}):  # no path out of root
-            state.update(read_tensors(root / shard))
-        load_weights(model, state, str(index))
-        return
-    seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-    raise ConfigError(f"no model.safetensors or model.safetensors.index.json in {root}; found: {seen or 'nothing'}")
