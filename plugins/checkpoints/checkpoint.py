@@ -48,9 +48,10 @@ from ..control.strategies import SaveStrategy
 from ..distributed.processes import barrier, gather_to_main, rank
 from . import io as cio
 from .directory import PREFIX, latest_checkpoint, list_checkpoints, publish_directory
+from .final_model import save_model
 from .frozen import base_fingerprint, trainable_state_dict
 from .history import write_trainer_state
-from .io import load_model_weights, save_model
+from .io import load_model_weights
 from .load_best import LoadBestModelAtEnd
 from .lock import OutputDirLock, claim_output_dir, lock_on_main
 from .resuming import (

@@ -42,11 +42,8 @@ from trainbus.engine import ConfigError
 from . import codec
 from .rng import rng_state as rng_state  # re-exported: a checkpoint's RNG states (rng.py)
 from .rng import set_rng_state as set_rng_state
-from .safety import MAX_JSON_BYTES, DamagedCheckpoint, damaged, parse_bounded_json
-from .weights import load_model_weights as load_model_weights  # re-exported: a model's weights (weights.py)
-from .weights import load_weights as load_weights
-from .weights import save_model as save_model
-from .weights import save_weights as save_weights
+from .safety import MAX_JSON_BYTES, DamagedCheckpoint, damaged, parse_bounded_json, plain_name
+from .weights import load_weights as load_weights  # re-exported: fitting a saved state into a model (weights.py)
 
 MANIFEST = "manifest.json"
 FORMAT = "trainbus-checkpoint"
@@ -359,3 +356,32 @@ def torchelastic_run() -> str | None:
     if run is None:
         return None
     return run if run not in ("", "none") else f"{socket.gethostname()}:{os.getppid()}"
+
+
+# -- model weights --------------------------------------------------------------------------------
+def save_weights(model: torch.nn.Module, path: Path) -> dict[str, Any]:
+    """Write the model's state dict to safetensors (tied weights once, as HF does); returns its manifest entry."""
+    st.save_model(model, str(path), metadata={"format": "pt"}, force_contiguous=True)  # see write_tensors
+    return _written(path)
+
+
+def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
+    """Load weights saved by ``save_model`` or a checkpoint (safetensors only, also HF shards)."""
+    root = Path(directory)
+    single = root / "model.safetensors"
+    index = root / "model.safetensors.index.json"
+    if single.is_file() or single.is_symlink():  # a link is refused by read_tensors, not skipped
+        load_weights(model, read_tensors(single), str(single))
+        return
+    if index.is_file() or index.is_symlink():
+        document = read_json(index)
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index} has no 'weight_map' object")
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted({plain_name(name, index) for name in weight_map.values()}):  # no path out of root
+            state.update(read_tensors(root / shard))
+        load_weights(model, state, str(index))
+        return
+    seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    raise ConfigError(f"no model.safetensors or model.safetensors.index.json in {root}; found: {seen or 'nothing'}")

@@ -22,6 +22,7 @@ from ..distributed.deepspeed import deepspeed_engine_of
 from ..distributed.processes import broadcast_from_main, gather_to_main, rank
 from . import io as cio
 from .directory import publish_directory
+from .final_model import save_model
 from .history import write_trainer_state
 from .sharded import INDEX, INDEX_FORMAT, SHARDED, _is_dtensor, _reshard, _slice_of, optimizer_stem
 from .zero import model_file, write_zero_files, zero_full_state
@@ -206,4 +207,4 @@ def save_full_model(model: torch.nn.Module, output_dir: str | Path, *, write: bo
     if not write:
         return
     kind = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 made a subclass of it
-    cio.save_model(model, output_dir, state_dict=full, model_class=kind)
+    save_model(model, output_dir, state_dict=full, model_class=kind)
