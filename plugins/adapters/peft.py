@@ -102,10 +102,10 @@ class AdapterSwitch(Plugin):
         event = Event.EPOCH_START if self.at == "epoch" else Event.STEP_START
         self.on(engine, event, self.switch)
 
-    def switch(self, payload: EpochStartEvent | StepStartEvent) -> None:
-        engine = payload.engine
+    def switch(self, ev: EpochStartEvent | StepStartEvent) -> None:
+        engine = ev.engine
         if callable(self.adapters):
-            name = self.adapters(payload)
+            name = self.adapters(ev)
             available = adapter_names(engine.model)
             if name not in available:
                 raise ConfigError(f"AdapterSwitch chose {name!r}, which the model does not have; it has {available}")

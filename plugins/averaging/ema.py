@@ -210,8 +210,8 @@ class EMA(Plugin):
             if source.device != self._averaged[i].device:  # the model moved: the average follows it
                 self._averaged[i] = self._averaged[i].to(source.device)
 
-    def _bind_at_start(self, event: TrainStartEvent) -> None:
-        self._bind(event.engine)
+    def _bind_at_start(self, ev: TrainStartEvent) -> None:
+        self._bind(ev.engine)
 
     def _engine_or(self, engine: Engine | None) -> Engine:
         if engine is None:
@@ -221,10 +221,10 @@ class EMA(Plugin):
         return engine
 
     # -- the update (hot path) -------------------------------------------------------------------
-    def update(self, event: OptimizerStepEvent) -> None:
+    def update(self, ev: OptimizerStepEvent) -> None:
         """One EMA update: ``lerp(average, weight, 1 - d_t)`` over every tensor in one foreach op."""
         if self._names is None:
-            self._bind(event.engine)  # fired by hand, without TRAIN_START
+            self._bind(ev.engine)  # fired by hand, without TRAIN_START
         self.num_updates += 1
         weight = 1.0 - self.decay_at(self.num_updates)  # Python numbers only: nothing read from the device
         with torch.no_grad():
@@ -293,18 +293,18 @@ class EMA(Plugin):
             return dict(model.state_dict())
 
     # -- evaluation ------------------------------------------------------------------------------
-    def _eval_start(self, event: EvalStartEvent) -> None:
+    def _eval_start(self, ev: EvalStartEvent) -> None:
         if self._training_data is not None:
             return  # swapped in already (an evaluation inside ``with ema.swapped()``): it restores
         if self._names is None and self._pending is None:
             return  # never trained, nothing loaded: the average is the weights
-        self._swap_in(event.engine)
+        self._swap_in(ev.engine)
         self._swapped_for_eval = True
 
-    def _eval_end(self, event: EvalEndEvent) -> None:
+    def _eval_end(self, ev: EvalEndEvent) -> None:
         if self._swapped_for_eval:  # a cleanup handler: also after a failed pass
             self._swapped_for_eval = False
-            self.restore(force=event.error is not None)  # failed: whatever is still on top goes too
+            self.restore(force=ev.error is not None)  # failed: whatever is still on top goes too
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -227,8 +227,8 @@ class SWA(Plugin):
         for group, lr in zip(optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
 
-    def _apply_lr_event(self, event: Any) -> None:
-        self._apply_lr(event.engine.optimizer)
+    def _apply_lr_event(self, ev: Any) -> None:
+        self._apply_lr(ev.engine.optimizer)
 
     def _advance(self, engine: Engine, unit: int) -> None:
         """One unit of the phase ended: average when due, then step SWALR."""
@@ -252,8 +252,8 @@ class SWA(Plugin):
             self.averaged = AveragedModel(engine.model, device=self.device, use_buffers=self.use_buffers)
         self.averaged.update_parameters(engine.model)
 
-    def _train_start(self, event: TrainStartEvent) -> None:
-        engine = event.engine
+    def _train_start(self, ev: TrainStartEvent) -> None:
+        engine = ev.engine
         self._materialize(engine)
         optimizer = engine.optimizer
         assert optimizer is not None  # fit() checked it
@@ -264,28 +264,28 @@ class SWA(Plugin):
             self._build_scheduler(optimizer, self.scheduler.state_dict())  # an optimizer plugin made a new one
         self._apply_lr(optimizer)
 
-    def _epoch_start(self, event: EpochStartEvent) -> None:
-        if event.epoch >= self.start and self.scheduler is None and event.engine.optimizer is not None:
-            self._build_scheduler(event.engine.optimizer)
+    def _epoch_start(self, ev: EpochStartEvent) -> None:
+        if ev.epoch >= self.start and self.scheduler is None and ev.engine.optimizer is not None:
+            self._build_scheduler(ev.engine.optimizer)
 
-    def _epoch_end(self, event: EpochEndEvent) -> None:
-        state = event.engine.state
-        finished = state.epochs_completed == event.epoch + 1  # not a stop in the middle of the epoch
+    def _epoch_end(self, ev: EpochEndEvent) -> None:
+        state = ev.engine.state
+        finished = state.epochs_completed == ev.epoch + 1  # not a stop in the middle of the epoch
         # each epoch of the phase once, whatever fires its EPOCH_END
-        if finished and event.epoch >= self.start and event.epoch > self._last_unit:
-            self._advance(event.engine, event.epoch)
+        if finished and ev.epoch >= self.start and ev.epoch > self._last_unit:
+            self._advance(ev.engine, ev.epoch)
 
-    def _step_start(self, event: StepStartEvent) -> None:
-        optimizer = event.engine.optimizer
+    def _step_start(self, ev: StepStartEvent) -> None:
+        optimizer = ev.engine.optimizer
         if (
             self.scheduler is None
             and optimizer is not None
-            and event.engine.state.optimizer_steps_taken + 1 >= self.start
+            and ev.engine.state.optimizer_steps_taken + 1 >= self.start
         ):
             self._build_scheduler(optimizer)
 
-    def _optimizer_step(self, event: OptimizerStepEvent) -> None:
-        engine = event.engine
+    def _optimizer_step(self, ev: OptimizerStepEvent) -> None:
+        engine = ev.engine
         if self.unit == "step":
             taken = engine.state.optimizer_steps_taken
             if taken >= self.start and taken > self._last_unit:
@@ -294,8 +294,8 @@ class SWA(Plugin):
         self._apply_lr(engine.optimizer)
 
     # -- the end of training ---------------------------------------------------------------------
-    def _train_end(self, event: TrainEndEvent) -> None:
-        engine = event.engine
+    def _train_end(self, ev: TrainEndEvent) -> None:
+        engine = ev.engine
         if self.averaged is None:
             where = f"epoch {self.start}" if self.unit == "epoch" else f"optimizer step {self.start}"
             logger.warning("SWA: the run ended before %s, where averaging starts; the model keeps its weights", where)

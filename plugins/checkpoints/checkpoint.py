@@ -298,50 +298,50 @@ class Checkpointing(Plugin):
             self.on(engine, Event.EVAL_END, self._eval_end, priority=Priority.CONSUMER)
 
     # -- the save_strategy shortcut: control's SaveSchedule decides -------------------------------
-    def _step_end(self, payload: StepEndEvent) -> None:
-        state = payload.engine.state
+    def _step_end(self, ev: StepEndEvent) -> None:
+        state = ev.engine.state
         assert self._schedule is not None
-        self._schedule.step_end(state, payload.engine.control, interval(self.save_steps, state.max_steps))
+        self._schedule.step_end(state, ev.engine.control, interval(self.save_steps, state.max_steps))
 
-    def _epoch_end(self, payload: EpochEndEvent) -> None:
+    def _epoch_end(self, ev: EpochEndEvent) -> None:
         assert self._schedule is not None
-        self._schedule.epoch_end(payload.engine.control)
+        self._schedule.epoch_end(ev.engine.control)
 
-    def _eval_start(self, payload: EvalStartEvent) -> None:
+    def _eval_start(self, ev: EvalStartEvent) -> None:
         assert self._schedule is not None
-        self._schedule.eval_start(payload.engine.state)
+        self._schedule.eval_start(ev.engine.state)
 
-    def _eval_end(self, payload: EvalEndEvent) -> None:
-        engine = payload.engine
+    def _eval_end(self, ev: EvalEndEvent) -> None:
+        engine = ev.engine
         key = self.best_metric_key
         if key is not None:
-            value = payload.metrics.get(key, payload.metrics.get(f"{payload.prefix}_{key}"))
+            value = ev.metrics.get(key, ev.metrics.get(f"{ev.prefix}_{key}"))
             if isinstance(value, int | float) or (isinstance(value, torch.Tensor) and value.numel() == 1):
                 self.last_metric = float(value)  # once per evaluation, not per step
         if self._schedule is not None:
             self._schedule.eval_end(engine.state, engine.control)  # "best": after a new best
 
-    def _take_lock(self, payload: TrainStartEvent) -> None:
-        self._release_lock(payload)
+    def _take_lock(self, ev: TrainStartEvent) -> None:
+        self._release_lock(ev)
         self._lock = lock_on_main(self.output_dir)  # re-entrant: a Trainer's train() holds it already
 
-    def _release_lock(self, payload: Payload) -> None:
+    def _release_lock(self, ev: Payload) -> None:
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
 
-    def _keep_only_best(self, payload: TrainEndEvent) -> None:
+    def _keep_only_best(self, ev: TrainEndEvent) -> None:
         """HF: with ``save_total_limit=1`` a finished run keeps only the best checkpoint, not also the newest."""
-        best = payload.engine.state.best_model_checkpoint
-        if best is None or rank() != 0 or not payload.engine.state.is_world_process_zero:
+        best = ev.engine.state.best_model_checkpoint
+        if best is None or rank() != 0 or not ev.engine.state.is_world_process_zero:
             return
         for _, path in list_checkpoints(self.output_dir):
             if not same_path(best, path) and delete_or_warn(path):
                 logger.info("deleted %s: save_total_limit=1 keeps only the best checkpoint", path)
 
-    def save(self, payload: SaveEvent) -> None:
+    def save(self, ev: SaveEvent) -> None:
         """The SAVE handler: write the checkpoint (main process only; every rank its slices under FSDP) and rotate."""
-        engine = payload.engine
+        engine = ev.engine
         rng_states = gather_to_main(cio.rng_state())  # every rank's, on rank 0 (a collective: all ranks call it)
         final = self.output_dir / f"{PREFIX}{engine.state.global_step}"
         main = rank() == 0 and engine.state.is_world_process_zero

@@ -38,8 +38,8 @@ class LoadBestModelAtEnd(Plugin):
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_END, self.load)
 
-    def load(self, payload: Payload) -> None:
-        engine = payload.engine
+    def load(self, ev: Payload) -> None:
+        engine = ev.engine
         best = engine.state.best_model_checkpoint
         if best is None:
             logger.warning("load_best_model_at_end: no best checkpoint was recorded; keeping the last weights")

@@ -272,11 +272,11 @@ class _RestoreRng:
             engine.on(Event.EPOCH_START, self._epoch_start, priority=first, name="resume.restore_rng"),
         ]
 
-    def _epoch_start(self, payload: EpochStartEvent) -> None:
-        if payload.engine.state.batches_in_epoch == 0:
-            self._restore(payload)
+    def _epoch_start(self, ev: EpochStartEvent) -> None:
+        if ev.engine.state.batches_in_epoch == 0:
+            self._restore(ev)
 
-    def _restore(self, payload: Payload) -> None:
+    def _restore(self, ev: Payload) -> None:
         cio.set_rng_state(self.rng)
         for handle in self.handles:
             handle.remove()

@@ -137,10 +137,10 @@ def train_with_executable_batch_size(
     failed: list[tuple[int, BaseException]] = []
     evaluating = {"now": False}
 
-    def eval_start(payload: Any) -> None:
+    def eval_start(ev: Any) -> None:
         evaluating["now"] = True
 
-    def eval_end(payload: Any) -> None:
+    def eval_end(ev: Any) -> None:
         evaluating["now"] = False
 
     def next_size() -> int:

@@ -199,11 +199,11 @@ class ZeroSteps:
             raise ConfigError(f"DeepSpeed could not be set up: {exc}") from exc
         _ENGINES[self.model] = self.ds_engine
 
-    def _train_start(self, event: TrainStartEvent) -> None:
-        self.prepare(event.engine)
+    def _train_start(self, ev: TrainStartEvent) -> None:
+        self.prepare(ev.engine)
 
-    def _batch_start(self, event: BatchStartEvent) -> None:
-        self._boundary = event.micro_index == event.window_size - 1
+    def _batch_start(self, ev: BatchStartEvent) -> None:
+        self._boundary = ev.micro_index == ev.window_size - 1
 
     def _forward(self, inner: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.nn.Module, Any], Any]:
         model = self.model

@@ -258,7 +258,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def local_grad_norm(event: Any) -> None:
+def local_grad_norm(ev: Any) -> None:
     """BEFORE_OPTIMIZER_STEP, after clipping: the grad norm of sharded gradients as a plain tensor.
 
     ``clip_grad_norm_`` over DTensor gradients returns the total norm (reduced over the shards) as a
@@ -266,9 +266,9 @@ def local_grad_norm(event: Any) -> None:
     """
     from torch.distributed.tensor import DTensor
 
-    norm = event.engine.step_outputs.get("grad_norm")
+    norm = ev.engine.step_outputs.get("grad_norm")
     if isinstance(norm, DTensor):
-        event.engine.step_outputs["grad_norm"] = norm.to_local()
+        ev.engine.step_outputs["grad_norm"] = norm.to_local()
 
 
 def shard_model(

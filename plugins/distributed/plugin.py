@@ -198,8 +198,8 @@ class Distributed(Plugin):
 
         return forward
 
-    def train_start(self, event: TrainStartEvent) -> None:
-        engine = event.engine
+    def train_start(self, ev: TrainStartEvent) -> None:
+        engine = ev.engine
         self._set_flags(engine)  # a fresh State, or rank 0's State loaded by a resume
         if self.num_processes == 1:
             return

@@ -65,8 +65,8 @@ class FloCounter(Plugin):
         for event in (Event.LOG, Event.SAVE, Event.TRAIN_END):  # before logs, checkpoints and train metrics read it
             self.on(engine, event, self.store_handler, priority=Priority.FIRST)
 
-    def train_start(self, event: TrainStartEvent) -> None:
-        self._model = event.engine.model
+    def train_start(self, ev: TrainStartEvent) -> None:
+        self._model = ev.engine.model
         self.current_flos, self._non_embedding_parameters = 0.0, None  # counted again: the model may be new
 
     def estimate(self, inputs: Mapping[str, Any], model: Any = None) -> int:
@@ -83,10 +83,10 @@ class FloCounter(Plugin):
             self._non_embedding_parameters = int(model.num_parameters(exclude_embeddings=True))
         return 6 * int(inputs[main_input].numel()) * self._non_embedding_parameters
 
-    def add_flos(self, event: LossEvent) -> None:
-        if isinstance(event.batch, Mapping):  # a collator's BatchEncoding is a UserDict, not a dict
+    def add_flos(self, ev: LossEvent) -> None:
+        if isinstance(ev.batch, Mapping):  # a collator's BatchEncoding is a UserDict, not a dict
             flos_of = self.flos_of if self.flos_of is not None else self.estimate
-            self.current_flos += float(flos_of(event.batch))  # shapes only: no host sync
+            self.current_flos += float(flos_of(ev.batch))  # shapes only: no host sync
 
     def store(self, engine: Engine) -> None:
         """Add the FLOs counted since the last call to ``state.total_flos`` (summed over processes, as HF)."""
@@ -95,5 +95,5 @@ class FloCounter(Plugin):
             flos = float(all_reduce_sum(torch.tensor(flos, dtype=torch.float64, device=collective_device())).item())
         engine.state.total_flos += flos
 
-    def store_handler(self, event: Payload) -> None:
-        self.store(event.engine)
+    def store_handler(self, ev: Payload) -> None:
+        self.store(ev.engine)

@@ -141,10 +141,10 @@ class GradientAccumulation(Plugin):
         self.on(engine, Event.STEP_START, self.step_start)
         self.on(engine, Event.LOSS, self.scale_loss)
 
-    def train_start(self, event: Any) -> None:
+    def train_start(self, ev: Any) -> None:
         # per-micro-batch handlers only where there is a gradient sync to skip (a DDP model,
         # possibly wrapped after attach): without them the hot path builds no payload per batch
-        engine = event.engine
+        engine = ev.engine
         self._processes = world_size() if self.across_processes else 1  # read once per run, not per window
         if self._prescaled_source is not None:
             self.prescaled = bool(self._prescaled_source())
@@ -162,33 +162,33 @@ class GradientAccumulation(Plugin):
         engine.accumulation_steps = 1
 
     # -- the window ------------------------------------------------------------------------------
-    def step_start(self, event: StepStartEvent) -> None:
+    def step_start(self, ev: StepStartEvent) -> None:
         if self._ddp_handles:
             self._sync_off.close()  # a failed window must not leave gradient sync switched off
-        self.micro_batches_seen += len(event.batches)
+        self.micro_batches_seen += len(ev.batches)
         if self.count_fn is None:
-            label_names = event.engine.label_names
-            counts = [count_items(b, label_names) for b in event.batches]
+            label_names = ev.engine.label_names
+            counts = [count_items(b, label_names) for b in ev.batches]
         else:
-            counts = [self.count_fn(b) for b in event.batches]
+            counts = [self.count_fn(b) for b in ev.batches]
         if self.prescaled:
             self.window_items = window_total(counts, self._processes)
             self._factors = [float(self._processes)] * len(counts)  # DDP divides the summed gradients by W
         else:
             self._factors, self.window_items = window_factors(counts, self._processes, with_total=True)
         self._per_micro = None  # tensor weights are cast to the loss's device and dtype at the first LOSS
-        event.engine.step_outputs["num_items_in_batch"] = self.window_items  # HF's num_items_in_batch
+        ev.engine.step_outputs["num_items_in_batch"] = self.window_items  # HF's num_items_in_batch
 
-    def scale_loss(self, event: LossEvent) -> None:
+    def scale_loss(self, ev: LossEvent) -> None:
         per_micro = self._per_micro
         if per_micro is None:
-            per_micro = self._per_micro = self._weights_like(event.loss)
-        weight, has_items = per_micro[event.micro_index]
+            per_micro = self._per_micro = self._weights_like(ev.loss)
+        weight, has_items = per_micro[ev.micro_index]
         if has_items is True:
-            event.loss = event.loss * weight
+            ev.loss = ev.loss * weight
         else:  # a flag tensor (no host read), or a micro-batch known to have no items
             # a micro-batch without items contributes a zero gradient, not its 0/0 mean loss
-            event.loss = torch.where(has_items, event.loss * weight, 0.0)
+            ev.loss = torch.where(has_items, ev.loss * weight, 0.0)
 
     def _weights_like(self, loss: torch.Tensor) -> list[tuple[Any, Any]]:
         """The window's factors as (weight, has_items) per micro-batch, on the loss's device and dtype."""
@@ -203,12 +203,12 @@ class GradientAccumulation(Plugin):
         return [(factor, True) if factor else (0.0, no_items) for factor in factors]
 
     # -- DDP: all-reduce once per window ---------------------------------------------------------
-    def batch_start(self, event: BatchStartEvent) -> None:
+    def batch_start(self, ev: BatchStartEvent) -> None:
         no_sync = getattr(self._synced, "no_sync", None)
-        if callable(no_sync) and event.micro_index < event.window_size - 1:
+        if callable(no_sync) and ev.micro_index < ev.window_size - 1:
             self._sync_off.enter_context(no_sync())
 
-    def backward_end(self, event: BackwardEndEvent) -> None:
+    def backward_end(self, ev: BackwardEndEvent) -> None:
         self._sync_off.close()
 
     # -- state -----------------------------------------------------------------------------------

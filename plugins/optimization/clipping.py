@@ -63,21 +63,21 @@ class GradientClipping(Plugin):
         self.on(engine, Event.TRAIN_START, self.collect, priority=Priority.LAST)
         self.on(engine, Event.BEFORE_OPTIMIZER_STEP, self.clip)
 
-    def collect(self, event: TrainStartEvent) -> None:
+    def collect(self, ev: TrainStartEvent) -> None:
         # the optimizer's parameters, gathered once: the parameters that will step
-        optimizer = event.engine.optimizer
+        optimizer = ev.engine.optimizer
         source: Any = (
             [p for g in optimizer.param_groups for p in g["params"]]
             if optimizer is not None
-            else event.engine.model.parameters()
+            else ev.engine.model.parameters()
         )
         self._params = list(source)
 
-    def clip(self, event: BeforeOptimizerStepEvent) -> None:
+    def clip(self, ev: BeforeOptimizerStepEvent) -> None:
         if not self._params:
-            self.collect(event)  # type: ignore[arg-type]  # fit() always fires TRAIN_START; direct use may not
+            self.collect(ev)  # type: ignore[arg-type]  # fit() always fires TRAIN_START; direct use may not
         if self.clip_value is not None:
             torch.nn.utils.clip_grad_value_(self._params, self.clip_value, foreach=True)
         if self.max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_norm, self.norm_type, foreach=True)
-            event.engine.step_outputs["grad_norm"] = norm  # computed under no_grad: nothing to detach
+            ev.engine.step_outputs["grad_norm"] = norm  # computed under no_grad: nothing to detach

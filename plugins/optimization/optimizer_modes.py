@@ -69,27 +69,27 @@ class ScheduleFreeModes(Plugin):
         self._cancel_switch_back()
         super().detach(engine)
 
-    def train_start(self, event: Payload) -> None:
+    def train_start(self, ev: Payload) -> None:
         self._training = True
         self._cancel_switch_back()
-        _set_mode(event.engine.optimizer, "train")
+        _set_mode(ev.engine.optimizer, "train")
 
-    def train_end(self, event: Payload) -> None:
+    def train_end(self, ev: Payload) -> None:
         self._training = False
         self._cancel_switch_back()
-        _set_mode(event.engine.optimizer, "eval")
+        _set_mode(ev.engine.optimizer, "eval")
 
-    def evaluation_start(self, event: Payload) -> None:
-        engine = event.engine
+    def evaluation_start(self, ev: Payload) -> None:
+        engine = ev.engine
         if _set_mode(engine.optimizer, "eval") and self._training and self._back_to_train is None:
             # registered only until the next step, so training pays nothing per step
             self._back_to_train = engine.on(
                 Event.STEP_START, self.step_start, priority=self.priority, name=f"{self.name}.step_start"
             )
 
-    def step_start(self, event: Payload) -> None:
+    def step_start(self, ev: Payload) -> None:
         self._cancel_switch_back()
-        _set_mode(event.engine.optimizer, "train")
+        _set_mode(ev.engine.optimizer, "train")
 
     def _cancel_switch_back(self) -> None:
         if self._back_to_train is not None:
@@ -129,8 +129,8 @@ class FusedBackward(Plugin):
         self.wrap_hook(engine, "optimizer_step", lambda base: _no_step)
         self.on(engine, Event.TRAIN_START, self.check_optimizer)
 
-    def check_optimizer(self, event: Payload) -> None:
-        optimizer = event.engine.optimizer
+    def check_optimizer(self, ev: Payload) -> None:
+        optimizer = ev.engine.optimizer
         if not callable(getattr(optimizer, "fused_backward", None)):
             raise ConfigError(
                 f"FusedBackward needs a LOMO optimizer (one with fused_backward), got {type(optimizer).__name__}"

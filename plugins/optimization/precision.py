@@ -172,13 +172,13 @@ class MixedPrecision(Plugin):
         return scaled_step
 
     # -- handlers --------------------------------------------------------------------------------
-    def unscale(self, event: BeforeOptimizerStepEvent) -> None:
-        optimizer = event.engine.optimizer
+    def unscale(self, ev: BeforeOptimizerStepEvent) -> None:
+        optimizer = ev.engine.optimizer
         assert optimizer is not None
         self.scaler.unscale_(optimizer)
         self._unscaled = True
 
-    def step_end(self, event: StepEndEvent) -> None:
+    def step_end(self, ev: StepEndEvent) -> None:
         # a handler vetoed the step after we unscaled: update() clears the scaler's per-step record
         if self._unscaled:
             self.scaler.update()

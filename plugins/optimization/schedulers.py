@@ -257,8 +257,8 @@ class LRScheduler(Plugin):
         else:
             self.on(engine, Event.OPTIMIZER_STEP, self.optimizer_step)
 
-    def build(self, event: TrainStartEvent) -> None:
-        engine = event.engine
+    def build(self, ev: TrainStartEvent) -> None:
+        engine = ev.engine
         if self.scheduler is None:
             assert self.scheduler_name is not None and engine.optimizer is not None
             total = self.num_training_steps or engine.state.max_steps
@@ -274,17 +274,17 @@ class LRScheduler(Plugin):
             self._restore(self._pending)
             self._pending = None
 
-    def optimizer_step(self, event: OptimizerStepEvent) -> None:
+    def optimizer_step(self, ev: OptimizerStepEvent) -> None:
         assert self.scheduler is not None
         self.scheduler.step()
 
-    def eval_end(self, event: EvalEndEvent) -> None:
+    def eval_end(self, ev: EvalEndEvent) -> None:
         if not isinstance(self.scheduler, ReduceLROnPlateau):
             return  # evaluated before training started: nothing to step yet
-        key = self.metric if self.metric.startswith(f"{event.prefix}_") else f"{event.prefix}_{self.metric}"
-        if key not in event.metrics:
-            raise ConfigError(f"reduce_lr_on_plateau watches {key!r}, but the eval metrics are {sorted(event.metrics)}")
-        self.scheduler.step(float(event.metrics[key]))  # one host read per evaluation, not per step
+        key = self.metric if self.metric.startswith(f"{ev.prefix}_") else f"{ev.prefix}_{self.metric}"
+        if key not in ev.metrics:
+            raise ConfigError(f"reduce_lr_on_plateau watches {key!r}, but the eval metrics are {sorted(ev.metrics)}")
+        self.scheduler.step(float(ev.metrics[key]))  # one host read per evaluation, not per step
 
     def get_last_lr(self) -> list[float]:
         """The learning rates of the optimizer's groups as the schedule set them last."""
