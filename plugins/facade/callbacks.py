@@ -303,7 +303,9 @@ class CallbackAdapter(Plugin):
             return  # HF restores callback states on resume only when asked to
         saved = state.get("callbacks", {})
         seen: dict[str, int] = {}
-        for position, cb in enumerate(list(self.callbacks)):
+        replaced: list[Any] = []
+        restored_list: list[Any] = []
+        for cb in list(self.callbacks):
             name = type(cb).__name__
             if name in saved and callable(getattr(cb, "state", None)):
                 index = seen.get(name, 0)
@@ -314,7 +316,16 @@ class CallbackAdapter(Plugin):
                     restored = type(cb)(**entry.get("args", {}))
                     for key, value in entry.get("attributes", {}).items():
                         setattr(restored, key, value)
-                    self.callbacks[position] = restored
+                    replaced.append(cb)
+                    restored_list.append(restored)
+        # as HF: the old instance leaves the list and the restored one is added at the end
+        self.callbacks = [cb for cb in self.callbacks if not any(cb is r for r in replaced)] + restored_list
+        missing = [name for name in saved if name not in seen]
+        if missing:
+            logger.warning(
+                "Checkpoint included callbacks not included in current configuration. Ignoring. (%s)",
+                ", ".join(missing),
+            )
         self._sync_step_handlers()
 
 
