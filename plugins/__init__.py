@@ -21,7 +21,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "facade.search": ("BestRun", "hyperparameter_search", "default_compute_objective"),
     "facade.model_card": ("write_model_card",),
     "facade.composition": ("TrainOutput", "build_plugins", "set_seed"),
-    "facade.callbacks": ("TrainerCallback", "CallbackAdapter", "EarlyStoppingCallback"),
+    "facade.callbacks": ("TrainerCallback", "CallbackAdapter"),
+    "facade.early_stopping_callback": ("EarlyStoppingCallback",),
     # data
     "data.length_grouping": ("LengthGroupedEpochSampler", "train_sampler"),
     "data.loading": (

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainbus.engine import Event
-from trainbus.plugins.facade.callbacks import CallbackAdapter, EarlyStoppingCallback, TrainerCallback
+from trainbus.plugins.facade.callbacks import CallbackAdapter, TrainerCallback
+from trainbus.plugins.facade.early_stopping_callback import EarlyStoppingCallback
 from trainbus.plugins.facade.trainer import Trainer
 
 
