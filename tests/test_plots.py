@@ -83,3 +83,14 @@ def test_plot_of_a_folder_without_logs_says_what_it_needs(tmp_path: Path, capsys
 
         plot_run(tmp_path)
     assert torch.get_num_threads() >= 1
+
+
+def test_a_long_run_is_read_whole_from_its_checkpoint(tmp_path: Path) -> None:
+    """Without logs.jsonl the newest checkpoint is read, with the older records it keeps in segments."""
+    args = quiet_args(tmp_path, max_steps=300, logging_steps=1, save_strategy="steps", save_steps=300,
+                      per_device_train_batch_size=1)  # fmt: skip
+    trainer = Trainer(Regressor(), args, train_dataset=regression_data(8))
+    trainer.train()
+    assert list(tmp_path.glob("checkpoint-300/log_history-*.json"))  # the history is segmented
+    history = read_log_history(tmp_path)
+    assert [r.get("step") for r in history if "loss" in r] == list(range(1, 301))

@@ -96,6 +96,19 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Loaded:
     return Loaded(directory, manifest, state, plugins, rng, weights, optimizer, sharded)
 
 
+def read_trainer_state(path: str | Path) -> State:
+    """A checkpoint's State with its whole log history (the segments of a long one joined), each file checked."""
+    directory = Path(path)
+    manifest = verified.read_manifest(directory, verify=False)
+    files = verified.CheckedFiles(directory, manifest, verify=True)
+    try:
+        state = _trainer_state(files, manifest)
+        files.finish()
+    finally:
+        files.close()
+    return state
+
+
 def _trainer_state(files: verified.CheckedFiles, manifest: dict[str, Any]) -> State:
     path = files.directory / "trainer_state.json"
     data = files.read_bytes(path.name)  # a missing or damaged file: its ConfigError names it

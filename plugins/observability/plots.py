@@ -30,8 +30,10 @@ def read_log_history(run_dir: str | Path) -> list[dict[str, Any]]:
     if jsonl.is_file():
         return [json.loads(line) for line in jsonl.read_text(encoding="utf-8").splitlines() if line.strip()]
     states = sorted(root.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-    if states:
-        history = json.loads(states[-1].read_text(encoding="utf-8")).get("log_history", [])
+    if states:  # the whole history: a long run keeps its older records in segments beside the state
+        from ..checkpoints.reading import read_trainer_state
+
+        history = read_trainer_state(states[-1].parent).log_history
         return [dict(r) for r in history if isinstance(r, Mapping)]
     seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
     raise ConfigError(
