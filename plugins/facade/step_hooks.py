@@ -83,9 +83,15 @@ class TrainerStepHooks:
         return _Computed(loss, outputs)
 
     def _forward_with_loss_kwargs(self, model: torch.nn.Module, batch: Any) -> Any:
-        """HF's call: a training forward with labels also gets ``num_items_in_batch`` (the window's items)."""
-        if model.training and isinstance(batch, Mapping) and "labels" in batch:
-            return model(**batch, num_items_in_batch=self._num_items_in_batch(batch))
+        """HF's call: a training forward with labels also gets ``num_items_in_batch`` (the window's items).
+
+        Passed where the accumulation plugin counted the window (on the host, before the batch moved):
+        a window of one micro-batch in one process needs no count, the model's own mean is that loss,
+        and counting the batch here would add kernels on its device to every step.
+        """
+        items = self.step_outputs.get("num_items_in_batch")
+        if items is not None and model.training and isinstance(batch, Mapping) and "labels" in batch:
+            return model(**batch, num_items_in_batch=items)
         return default_forward(model, batch)
 
     def _num_items_in_batch(self, batch: Any) -> Any:
