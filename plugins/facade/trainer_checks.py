@@ -35,8 +35,14 @@ def loss_from_outputs(outputs: Any, batch: Any = None) -> torch.Tensor:
 
 
 def compute_loss(outputs: Any, batch: Any) -> torch.Tensor:
-    """The Trainer's default ``compute_loss`` hook: the loss the model returned, as transformers' Trainer takes it."""
-    return loss_from_outputs(outputs, batch)
+    """The Trainer's default ``compute_loss`` hook: the loss the model returned, as transformers' Trainer takes it.
+
+    As deep as the engine's default (one frame above ``loss_from_outputs``): it runs every micro-batch.
+    """
+    try:
+        return engine_loss_from_outputs(outputs)
+    except ValueError:
+        raise ConfigError(no_loss_message(outputs, batch)) from None
 
 
 def no_loss_message(outputs: Any, batch: Any) -> str:
