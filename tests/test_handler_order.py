@@ -279,7 +279,7 @@ TRAINER_ORDER = {
     "LOSS": ["GradientAccumulation.scale_loss", "TrainLogger.loss"],
     "BEFORE_OPTIMIZER_STEP": ["GradientClipping.clip"],
     "OPTIMIZER_STEP": ["LRScheduler.optimizer_step"],
-    "STEP_END": ["FlowControl.step_end", "Preemption.step_end"],
+    "STEP_END": ["FlowControl.step_end"],  # Preemption.step_end only under several processes
     "LOG": ["TrainLogger.fill", "TrainLogger.record", "Printer.write", "CallbackAdapter.log"],
     "EVAL_START": ["ScheduleFreeModes.evaluation_start", "EvalCollector.eval_start", "CallbackAdapter.eval_start"],
     "EVAL_BATCH_END": ["EvalCollector.eval_batch_end", "CallbackAdapter.on_prediction_step"],

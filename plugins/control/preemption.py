@@ -115,10 +115,13 @@ class Preemption(Plugin):
         self._every = 1
         self._group: Any = None
         self._group_made = False
+        self._engine: Engine | None = None
+        self._agreeing: Any = None  # the STEP_END handler's handle, several processes only
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_START, self.install, priority=Priority.FIRST)
-        self.on(engine, Event.STEP_END, self.step_end)
+        # STEP_END only under several processes, where the ranks must agree on the step (install): in
+        # one process the signal handler sets the Control flags itself, and no step pays for a handler
         # the very last TRAIN_END handler (after the output_dir lock is released), also on failure
         self.on(engine, Event.TRAIN_END, self.finish, priority=Priority.LAST.after("*", "Checkpointing"), cleanup=True)
 
@@ -126,8 +129,11 @@ class Preemption(Plugin):
     def install(self, ev: TrainStartEvent) -> None:
         """Take SIGTERM / SIGINT for this run (main thread only: Python runs signal handlers there)."""
         self.received = self.stopped_at = None
+        self._engine = ev.engine
         processes = world_size()
         self._every = 1 if processes == 1 else (self.check_every or DEFAULT_CHECK_EVERY)
+        if processes > 1 and self._agreeing is None:
+            self._agreeing = self.on(ev.engine, Event.STEP_END, self.step_end)
         if processes > 1 and not self._group_made:
             self._group = _cpu_group()
             self._group_made = True
@@ -143,6 +149,9 @@ class Preemption(Plugin):
             raise KeyboardInterrupt
         if self.received is None:
             self.received = signum
+            if self._every == 1 and self._engine is not None:  # one process: stop after this step, saving
+                self._engine.control.should_save = True
+                self._engine.control.should_training_stop = True
             hint = " (press Ctrl-C again to stop at once, without a checkpoint)" if signum == signal.SIGINT else ""
             _say(f"trainbus: {signal.Signals(signum).name} received; training stops at the next step boundary and "
                  f"saves a checkpoint{hint}")  # fmt: skip
@@ -169,6 +178,8 @@ class Preemption(Plugin):
         self.restore()
         if getattr(ev, "error", None) is not None:
             return  # training failed: the failure propagates, nothing to add
+        if self._agreeing is None and self.received is not None and self._stopped_by_signal(ev.engine):
+            self.stopped_at = ev.engine.state.global_step  # one process: the flags the handler set were acted on
         if self.stopped_at is not None and self.received is not None:
             interrupted = TrainingInterrupted(self.received, self.stopped_at, _checkpoint_of(ev.engine))
             if ev.engine.state.is_world_process_zero:
@@ -177,6 +188,13 @@ class Preemption(Plugin):
         if self.received is not None:  # after the last check: training had finished; the signal still counts
             logger.warning("trainbus: %s arrived after the last step; passing it on", signal.Signals(self.received))
             signal.raise_signal(self.received)
+
+    @staticmethod
+    def _stopped_by_signal(engine: Engine) -> bool:
+        """Whether the run stopped for the signal (before its planned end, or with this step's checkpoint
+        written after it), not because it had finished anyway."""
+        state = engine.state
+        return state.global_step < state.max_steps or _checkpoint_of(engine) is not None
 
     def restore(self) -> None:
         """The handlers from before TRAIN_START, back in place (idempotent)."""
