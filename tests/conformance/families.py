@@ -1,0 +1,175 @@
+"""Data and checks shared by the conformance scripts of issue #27's families (QA, multiple choice,
+multi-label classification, semantic segmentation): the rows each test writes, and the resume check.
+
+The data are synthetic and small, with a signal the tiny models can pick up within a few dozen steps,
+so that metrics move between evaluations (a best checkpoint is then a real choice, not a tie).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from harness import BAD, GOOD, IMPLEMENTATIONS, NOUNS, OTHER, VERBS, Run, differences, run_script, sentences
+
+#: a 2-layer BERT (hidden 32) every text family builds from its config
+BERT = "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=37,max_position_embeddings=64"
+COLORS = ["red", "green", "blue", "yellow"]
+
+
+# -- extractive question answering (SQuAD-shaped rows) ------------------------------------------------
+def qa_rows(n: int, seed: int, min_words: int = 4, max_words: int = 18) -> list[dict[str, Any]]:
+    """Contexts of uneven length holding two "colour noun" pairs; the question names one noun, the answer is
+    its colour (character offset in ``answers``, SQuAD's layout).
+
+    Longer contexts overflow a short ``max_seq_length``, so one example gives several features and
+    some features hold no answer (labelled with [CLS], as run_qa.py does).
+    """
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        units = [[rng.choice(VERBS + OTHER)] for _ in range(rng.randint(min_words, max_words))]
+        nouns, colors = rng.sample(NOUNS, 2), rng.sample(COLORS, 2)
+        for noun, color in zip(nouns, colors):
+            units.insert(rng.randrange(len(units) + 1), [color, noun])
+        words = [word for unit in units for word in unit]
+        asked = rng.randrange(2)
+        position = next(k for k in range(len(words) - 1) if words[k + 1] == nouns[asked] and words[k] in COLORS)
+        context = " ".join(words)
+        start = len(" ".join(words[:position])) + (1 if position else 0)
+        assert context[start : start + len(colors[asked])] == colors[asked]
+        question = rng.choice(["which color is the {} ?", "the {} is which color ?", "  what color has the {} ?"])
+        rows.append({"id": f"q{seed}-{i}", "question": question.format(nouns[asked]), "context": context,
+                     "answers": {"text": [colors[asked]], "answer_start": [start]}})  # fmt: skip
+    return rows
+
+
+# -- multiple choice (SWAG-shaped rows) -----------------------------------------------------------------
+def swag_rows(n: int, seed: int, choices: int = 4) -> list[dict[str, Any]]:
+    """``sent1`` a sentence with a sentiment, ``sent2`` the start of its continuation, ``ending0..3``: the one
+    whose adjective matches the sentiment is ``label``."""
+    rng = random.Random(seed)
+    rows = []
+    for s in sentences(n, seed=seed + 100, max_words=9):
+        label = rng.randrange(choices)
+        matching, other = (GOOD, BAD) if s["label"] else (BAD, GOOD)
+        row = {"sent1": s["text"], "sent2": rng.choice(["so it was", "and the", "then a"]), "label": label}
+        for k in range(choices):
+            adjective = rng.choice(matching if k == label else other)
+            row[f"ending{k}"] = " ".join([adjective, *rng.sample(NOUNS, rng.randint(1, 3))])
+        rows.append(row)
+    return rows
+
+
+# -- multi-label classification --------------------------------------------------------------------------
+MULTI_LABELS = ["animal", "bad", "good", "verb"]
+
+
+def multi_label_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """``text`` and ``label``: the list of the label names that apply (possibly none), as run_classification
+    reads a multi-label json file."""
+    rows = []
+    for s in sentences(n, seed=seed, max_words=9):
+        words = set(s["tokens"])
+        present = {
+            "animal": bool(words & {"cat", "dog", "bird"}),
+            "bad": bool(words & set(BAD)),
+            "good": bool(words & set(GOOD)),
+            "verb": bool(words & set(VERBS)),
+        }
+        rows.append({"text": s["text"], "label": [name for name in MULTI_LABELS if present[name]]})
+    return rows
+
+
+# -- semantic segmentation ------------------------------------------------------------------------------
+SEGMENT_CLASSES = ["background", "square", "disc"]
+
+
+def write_segmentation_images(directory: Path, n: int, seed: int) -> list[dict[str, str]]:
+    """PNG images of uneven size (12 to 20 pixels a side) with a red square and a blue disc on noise, and
+    their masks (class per pixel, 255 on a one-pixel border: ignored by the loss, as ADE20k's void)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        height, width = (int(v) for v in rng.integers(12, 21, size=2))
+        image = rng.integers(0, 90, size=(height, width, 3)).astype(np.uint8)
+        mask = np.zeros((height, width), dtype=np.uint8)
+        side = int(rng.integers(3, 7))
+        top, left = int(rng.integers(0, height - side)), int(rng.integers(0, width - side))
+        mask[top : top + side, left : left + side] = 1
+        image[top : top + side, left : left + side, 0] += 150
+        radius = float(rng.uniform(2, 4))
+        cy, cx = rng.uniform(radius, height - radius), rng.uniform(radius, width - radius)
+        yy, xx = np.mgrid[:height, :width]
+        disc = (yy - cy) ** 2 + (xx - cx) ** 2 <= radius**2
+        mask[disc] = 2
+        image[disc, 2] += 150
+        mask[0, :], mask[:, 0] = 255, 255
+        Image.fromarray(image, "RGB").save(directory / f"{i}.png")
+        Image.fromarray(mask, "L").save(directory / f"{i}-mask.png")
+        rows.append({"image": str(directory / f"{i}.png"), "label": str(directory / f"{i}-mask.png")})
+    return rows
+
+
+# -- resume ---------------------------------------------------------------------------------------------
+def resume_differences(
+    main: Callable[..., dict[str, Any]], argv: Callable[[str], Sequence[str]], tmp_path: Path, step: int
+) -> tuple[list[str], dict[str, tuple[Run, Run]]]:
+    """Each implementation runs the script whole, then again in a fresh output_dir resumed from its own
+    ``checkpoint-{step}``. Returns the differences (transformers' resumed run vs trainbus's, and trainbus's
+    resumed run vs its uninterrupted one) and the runs, ``{name: (full, resumed)}``.
+
+    ``train_loss`` after a resume: transformers averages only the resumed call's steps (5.21+; 5.18 their
+    sum over all steps), trainbus the whole run's, as if never interrupted (#23); both pinned here.
+    """
+    runs = {}
+    for name in IMPLEMENTATIONS:
+        full = run_script(main, argv(name), name)
+        checkpoint = tmp_path / name / f"checkpoint-{step}"
+        assert checkpoint.is_dir(), f"{name}: no {checkpoint.name} to resume from"
+        resumed = run_script(main, [*argv(f"{name}-resumed"), "--resume_from_checkpoint", str(checkpoint)], name)
+        runs[name] = full, resumed
+    (hf_full, hf), (tb_full, tb) = runs["transformers"], runs["trainbus"]
+    found = []
+    step_losses = [float(r["loss"]) for r in tb_full.log_history if "loss" in r]
+    steps = max(int(r["step"]) for r in tb_full.log_history)
+    if len(step_losses) == steps:  # logging_steps=1: train_loss is checkable against the step losses
+        assert tb.train_metrics["train_loss"] == pytest.approx(sum(step_losses) / steps, rel=1e-6)
+        resumed_part = sum(step_losses[step:])
+        assert hf.train_metrics["train_loss"] in (
+            pytest.approx(resumed_part / (steps - step), rel=1e-5),
+            pytest.approx(resumed_part / steps, rel=1e-5),
+        )
+    found += [f"uninterrupted: {d}" for d in differences(hf_full, tb_full, files=False)]
+    found += [f"resumed: {d}" for d in differences(hf, tb, ignore=["train_loss"])]
+    found += [f"trainbus resumed (as 'trainbus') vs uninterrupted (as 'transformers'): {d}"
+              for d in differences(tb_full, tb, files=False)]  # fmt: skip
+    return found, runs
+
+
+# -- weights whose exact gradient is zero ------------------------------------------------------------------
+def softmax_invariant(model_type_layers: int) -> tuple[str, ...]:
+    """The weights of a span-extraction head whose exact gradient is 0: ``qa_outputs.bias`` and the last
+    layer's output LayerNorm bias add the same amount to every position's logit, and the loss is a
+    softmax over positions. Only rounding noise reaches them, which Adam turns into steps of about the
+    learning rate of any sign: two correct runs disagree there (the harness's attention-key-bias
+    rule, for the QA head)."""
+    return ("qa_outputs.bias]", f"encoder.layer.{model_type_layers - 1}.output.LayerNorm.bias]")
+
+
+def without_noise(found: list[str], tensors: tuple[str, ...]) -> list[str]:
+    """``found`` less the weight comparisons of ``tensors`` (names ending ``...]`` in the harness's lines)."""
+    kept = []
+    for line in found:
+        tensor = re.search(r"\.safetensors\[([^\]]+\])", line)
+        if tensor is None or not tensor.group(1).endswith(tensors):
+            kept.append(line)
+    return kept

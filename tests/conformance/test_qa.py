@@ -1,0 +1,64 @@
+"""Extractive QA with a ``QuestionAnsweringTrainer`` subclass (overridden evaluate / predict): transformers.Trainer
+vs trainbus, with evaluation every few steps choosing the best checkpoint by the subclass's F1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import run_qa
+from families import BERT, qa_rows, resume_differences, softmax_invariant, without_noise
+from harness import check_losses_logged, common_argv, differences, run_both, write_json_lines, write_tokenizer
+
+#: evaluation (by the subclass) and a save every 4 steps, the best by F1 loaded at the end
+BEST_BY_F1 = {
+    "eval_strategy": "steps", "eval_steps": 3, "save_strategy": "steps", "save_steps": 3, "save_total_limit": 2,
+    "load_best_model_at_end": True, "metric_for_best_model": "f1", "num_train_epochs": 2,
+}  # fmt: skip
+
+
+def argv_for(tmp_path: Path, dropout: float, **overrides: object):
+    rows = qa_rows(42, seed=5)
+    files = {
+        split: write_json_lines(tmp_path / f"{split}.json", part)
+        for split, part in (("train", rows[:24]), ("validation", rows[24:34]), ("test", rows[34:]))
+    }
+    tokenizer = write_tokenizer(tmp_path / "tokenizer", [r["question"] + " " + r["context"] for r in rows])
+
+    def argv(name: str) -> list[str]:
+        arguments = {**BEST_BY_F1, **overrides}
+        return common_argv(
+            tmp_path / name, tokenizer_name=tokenizer, config_overrides=BERT, dropout=dropout,
+            cache_dir=tmp_path / f"cache-{name}", train_file=files["train"], validation_file=files["validation"],
+            test_file=files["test"], **arguments,
+        )  # fmt: skip
+
+    return argv
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_qa_matches_transformers(tmp_path: Path, dropout: float) -> None:
+    hf, tb = run_both(run_qa.main, argv_for(tmp_path, dropout))
+    check_losses_logged(hf)
+    # the comparison has teeth: the subclass's metrics were logged during training and chose a checkpoint
+    state = json.loads((hf.output_dir / "trainer_state.json").read_text())
+    f1 = [r["eval_f1"] for r in state["log_history"] if "eval_f1" in r]
+    assert len(f1) >= 3 and len(set(f1)) > 1, f"transformers' eval F1 over training: {f1}"
+    assert state["best_model_checkpoint"] is not None and state["best_metric"] == max(f1)
+    assert "eval_predictions.json" in hf.files and "predict_predictions.json" in hf.files
+    found = without_noise(differences(hf, tb), softmax_invariant(2))
+    assert not found, f"{len(found)} differences from transformers.Trainer:\n" + "\n".join(found)
+    tb_state = json.loads((tb.output_dir / "trainer_state.json").read_text())
+    for key in ("best_metric", "best_global_step"):
+        assert tb_state.get(key) == pytest.approx(state.get(key)), f"{key}: {state.get(key)} vs {tb_state.get(key)}"
+    assert Path(tb_state["best_model_checkpoint"]).name == Path(state["best_model_checkpoint"]).name
+
+
+def test_qa_resume_matches_transformers(tmp_path: Path) -> None:
+    """Resumed from checkpoint-9 (mid-epoch, with a best metric already recorded) in a fresh output_dir."""
+    argv = argv_for(tmp_path, 0.1, save_total_limit=8)  # checkpoint-9 outlives the rotation
+    found, runs = resume_differences(run_qa.main, argv, tmp_path, step=9)
+    found = without_noise(found, softmax_invariant(2))
+    check_losses_logged(runs["transformers"][1])
+    assert not found, f"{len(found)} differences:\n" + "\n".join(found)
