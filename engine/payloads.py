@@ -230,11 +230,15 @@ class EvalEndEvent(Payload):
         metrics: mutable: metric plugins fill it and ``evaluate()`` returns it.
         prefix: as at EVAL_START.
         error: set when the pass failed (the metrics are then incomplete).
+        reported: True when the evaluation's own code already logged the metrics and told the HF
+            callbacks (a Trainer subclass's ``evaluate()``): loggers and reporters leave them alone;
+            handlers that decide on them (best metric, early stopping, schedules) act as always.
     """
 
     metrics: dict[str, Any]
     prefix: str
     error: BaseException | None = None
+    reported: bool = False
 
 
 @dataclass(eq=False, slots=True)

@@ -210,7 +210,9 @@ def test_every_method_hf_users_override_is_honoured_with_hf_signatures(tmp_path:
     trainer = Overriding(Regressor(), args, train_dataset=regression_data(32), eval_dataset=regression_data(8, seed=1))
     trainer.train()
     names = [name for name, _ in trainer.calls]
-    assert names[:2] == ["get_train_dataloader", "get_eval_dataloader"]
+    # HF's order: the train loader and the optimizer in train(), the eval loader at the first evaluation
+    assert names[:2] == ["get_train_dataloader", "create_optimizer_and_scheduler"]
+    assert names.index("get_eval_dataloader") > names.index("compute_loss")
     assert ("create_optimizer_and_scheduler", 4) in trainer.calls and ("create_scheduler", 4) in trainer.calls
     assert "create_optimizer" in names
     # the subclass's scheduler is the one stepped: lr = 0.1 / (1 + steps taken)

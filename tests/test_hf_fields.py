@@ -222,7 +222,7 @@ def test_group_by_length_trains_on_transformers_length_groups(tmp_path: Path) ->
     trainer = Trainer(
         TokenScorer(), args, train_dataset=token_rows(LENGTHS), data_collator=pad_collator, callbacks=[SeenBatches()]
     )
-    assert isinstance(trainer.train_data.sampler, LengthGroupedEpochSampler)
+    assert isinstance(trainer.get_train_dataloader().sampler, LengthGroupedEpochSampler)
     trainer.train()
     expected = []
     for epoch in (0, 1):  # transformers' grouping over batch x accumulation, its shuffle seeded by seed + epoch
@@ -256,8 +256,8 @@ def test_group_by_length_reads_the_length_column(tmp_path: Path) -> None:
     )
     trainer = Trainer(TokenScorer(), args, train_dataset=table, data_collator=pad_collator)
     order = get_length_grouped_indices(fake, 4, generator=torch.Generator().manual_seed(42))
-    assert epoch_order(trainer.train_data.sampler, 0) == order
-    assert "n_tokens" not in next(iter(trainer.train_data))  # the column is still removed before batching
+    assert epoch_order(trainer.get_train_dataloader().sampler, 0) == order
+    assert "n_tokens" not in next(iter(trainer.get_train_dataloader()))  # the column is still removed before batching
 
 
 def test_group_by_length_sampler_is_seeded_per_epoch() -> None:
@@ -404,7 +404,7 @@ def test_multiprocessing_context_reaches_the_workers(tmp_path: Path) -> None:
         max_steps=2,
     )
     trainer = Trainer(Regressor(), args, train_dataset=regression_data(8), data_collator=default_data_collator)
-    loader = trainer.train_data
+    loader = trainer.get_train_dataloader()
     assert loader.multiprocessing_context.get_start_method() == "spawn"
     assert skip_first_batches(loader, 1).multiprocessing_context.get_start_method() == "spawn"  # resume keeps it
     assert trainer.train().global_step == 2

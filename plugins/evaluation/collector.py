@@ -190,7 +190,19 @@ class EvalCollector(Plugin):
         self._collect(ev.batch, ev.loss, ev.logits, ev.labels)
 
     def eval_end(self, ev: EvalEndEvent) -> None:
+        if ev.reported:  # the evaluation's own loops took their results (finish_pass); nothing is left to add
+            self._pass = None
+            return
         ev.metrics.update(self._finish(ev.engine).metrics)
+
+    # -- a loop inside an open evaluation (a Trainer subclass's evaluate() calling evaluation_loop) --------
+    def start_pass(self, dataloader: Any, prefix: str) -> None:
+        """Collect the batches that follow (EVAL_BATCH_END) as one loop with metric prefix ``prefix``."""
+        self._start(dataloader, prefix)
+
+    def finish_pass(self, engine: Engine) -> EvalLoopOutput:
+        """That loop's predictions, labels and ``{prefix}_*`` metrics, without waiting for EVAL_END."""
+        return self._finish(engine)
 
     def predict_start(self, ev: PredictStartEvent) -> None:
         self._start(ev.dataloader, "test", keep_outputs=True)

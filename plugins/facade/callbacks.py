@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 from trainbus.engine import Event, Plugin, Priority
 from trainbus.engine.state import CONTROL_FLAGS
 
+from .callback_handler import CallbackHandlerMethods, install_handler_methods
+
 if TYPE_CHECKING:
     from trainbus.engine import Engine
 
@@ -110,7 +112,7 @@ class TrainerCallback:
         """After each evaluation / prediction batch."""
 
 
-class CallbackAdapter(Plugin):
+class CallbackAdapter(CallbackHandlerMethods, Plugin):
     """Drives HF-style callbacks (``TrainerCallback`` subclasses, transformers' own, or duck-typed objects).
 
     Args:
@@ -283,10 +285,12 @@ class CallbackAdapter(Plugin):
         self.eval_dataloader = ev.dataloader
 
     def evaluate(self, ev: Any) -> None:
-        self.call_event("on_evaluate", ev.engine, metrics=ev.metrics)
+        if not ev.reported:  # a subclass's own evaluate() called on_evaluate itself (HF's QA trainers)
+            self.call_event("on_evaluate", ev.engine, metrics=ev.metrics)
 
     def predict(self, ev: Any) -> None:
-        self.call_event("on_predict", ev.engine, metrics=ev.metrics)
+        if not getattr(ev.engine, "_loop_only", False):  # HF's evaluation_loop / prediction_loop call no on_predict
+            self.call_event("on_predict", ev.engine, metrics=ev.metrics)
 
     # -- state: HF ExportableState callbacks (e.g. early stopping) are checkpointed ---------------------
     def state_dict(self) -> dict[str, Any]:
@@ -342,3 +346,6 @@ def _lr_scheduler(engine: Engine) -> Any:
         if scheduler is not None and hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
             return scheduler
     return None
+
+
+install_handler_methods(CallbackAdapter, CALLBACK_EVENTS)

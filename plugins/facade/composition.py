@@ -262,4 +262,37 @@ def check_metric_for_best_model(trainer: Any, metric: str) -> None:
     called outside a real evaluation, as in HF.
     """
     if trainer.compute_metrics is None and not trainer.metric_plugins_added:
-        check_metric_key(metric, expected_keys(trainer.eval_data, (), with_loss=True))
+        check_metric_key(metric, expected_keys(trainer.eval_dataset, (), with_loss=True))  # names of a dict of sets
+
+
+def args_snapshot(args: Any) -> dict[str, str]:
+    """Every field of ``args`` as its repr: ``train()`` composes the plugins again when this changed (HF reads
+    ``self.args`` in ``train()``, so a script or a search that edits them after construction is heard)."""
+    import dataclasses
+
+    snapshot = {f.name: repr(getattr(args, f.name, None)) for f in dataclasses.fields(args)}
+    snapshot["<object>"] = str(id(args))  # trainer.args = other_args
+    return snapshot
+
+
+def check_train_dataset(dataset: Any, max_steps: int) -> None:
+    """HF's checks of a train set at construction (its loader is made later, in ``train()``)."""
+    if dataset is None:
+        return
+    if isinstance(dataset, str | bytes | int | float) or not (
+        hasattr(dataset, "__len__") or hasattr(dataset, "__iter__") or hasattr(dataset, "__getitem__")
+    ):
+        raise ConfigError(
+            f"train_dataset must be a dataset (a sized or iterable collection of samples), got {type(dataset).__name__}"
+        )
+    try:
+        length: int | None = len(dataset)
+    except TypeError:
+        length = None
+    if length == 0:
+        raise ConfigError("train_dataset is empty (length 0); training needs at least one sample")
+    if length is None and max_steps <= 0:
+        raise ConfigError(
+            "the train dataset has no length (an iterable dataset): set TrainingArguments.max_steps "
+            "to a positive number"
+        )

@@ -27,6 +27,7 @@ reused (they belong to its model), as in HF, where a ``model_init`` discards the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -44,14 +45,8 @@ from ..control.pruning import TrialPruning, number
 from ..evaluation.collector import EvalCollector
 from .arguments import UNSUPPORTED, TrainingArguments
 
-__all__ = [
-    "BACKENDS",
-    "BestRun",
-    "TrialPruning",
-    "default_compute_objective",
-    "default_hp_space_optuna",
-    "hyperparameter_search",
-]
+__all__ = ["BACKENDS", "BestRun", "TrialPruning", "default_compute_objective", "default_hp_space_optuna",
+           "hyperparameter_search"]  # fmt: skip
 
 #: the search backends trainbus supports (HF also has "ray", "sigopt" and "wandb")
 BACKENDS = ("optuna",)
@@ -233,18 +228,24 @@ def _objective(
         run_name = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
         run_dir = os.path.join(str(trainer.args.output_dir), str(run_name))
         args = trial_arguments(trainer.args, params, run_dir)
-        run = _trial_trainer(trainer, args, model_init, trial, own_plugins)
-        pruning = TrialPruning(trial, objective_of, report=directions is None)
-        # attached, not added: the trial's checkpoints then hold only the plugins a Trainer built with
-        # the same arguments has, so a plain Trainer can resume from them
-        pruning.attach(run)
-        run.train()
-        if pruning.pruned:
-            raise optuna.TrialPruned(f"trial {trial.number} pruned at step {pruning.pruned_at}")
-        value = pruning.objective
-        if value is None:  # no evaluation during training: evaluate once (HF)
-            value = objective_of(run.evaluate())
-        return _check_objective(value, n_objectives)
+        existed = os.path.isdir(run_dir)
+        try:
+            run = _trial_trainer(trainer, args, model_init, trial, own_plugins)
+            pruning = TrialPruning(trial, objective_of, report=directions is None)
+            # attached, not added: the trial's checkpoints then hold only the plugins a Trainer built with
+            # the same arguments has, so a plain Trainer can resume from them
+            pruning.attach(run)
+            run.train()
+            if pruning.pruned:
+                raise optuna.TrialPruned(f"trial {trial.number} pruned at step {pruning.pruned_at}")
+            value = pruning.objective
+            if value is None:  # no evaluation during training: evaluate once (HF)
+                value = objective_of(run.evaluate())
+            return _check_objective(value, n_objectives)
+        finally:  # train() made run_dir for its lock; transformers makes it only to save a checkpoint there
+            if not existed:  # so a trial that saved nothing (pruned early, save_strategy="no") leaves none
+                with contextlib.suppress(OSError):  # not empty: kept
+                    os.rmdir(run_dir)
 
     return objective
 
@@ -392,6 +393,8 @@ def _trial_trainer(
         ) from exc
     run = cls(**kwargs)
     run.model_init = model_init
+    run._trial = trial  # model_init gets the trial (HF's self._trial)
+    run._model_just_made = True  # HF calls model_init once per trial: this run's constructor did
     for plugin in own_plugins:
         if run.get_plugin(plugin.name, None) is None:  # not one the arguments build: the user's own
             run.add_plugin(_fresh(plugin, trainer, run))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainbus.engine import Event, LogEvent, Priority
+from trainbus.engine import Event, LogEvent, Priority, StepStartEvent
 from trainbus.hooks import forward as default_forward
 from trainbus.hooks import get_labels
 
@@ -48,10 +48,13 @@ class TrainerStepHooks:
     set_hook: Any
     on: Any
     log: Any
+    current_gradient_accumulation_steps: int
 
     def _install_step_hooks(self) -> None:
         self.set_hook("compute_loss", trainer_compute_loss)  # its no-loss error speaks to a Trainer user
         if self.overrides("training_step"):
+            # HF divides the loss by the window being trained (the last of an epoch may be shorter)
+            self.on(Event.STEP_START, self._window_started, name="Trainer.current_gradient_accumulation_steps")
             self.set_hook("forward", self._forward_training_step)
             self.set_hook("compute_loss", lambda outputs, batch: outputs.loss)
             base_backward = self.hooks.backward
@@ -65,6 +68,9 @@ class TrainerStepHooks:
         if self.overrides("log"):
             # after TrainLogger filled a logging point's record, before history and sinks read it
             self.on(Event.LOG, self._log_through_override, priority=Priority.PRODUCER.after("*"), name="Trainer.log")
+
+    def _window_started(self, ev: StepStartEvent) -> None:
+        self.current_gradient_accumulation_steps = len(ev.batches)
 
     def _log_through_override(self, ev: LogEvent) -> None:
         """A logging point's record goes through the subclass's ``log`` (HF calls ``self.log(logs, start_time)``)."""
@@ -156,7 +162,7 @@ class TrainerStepHooks:
         if isinstance(loss, tuple):
             loss = loss[0]
         if not self._loss_is_scaled_for_ga():
-            loss = loss / self.args.gradient_accumulation_steps
+            loss = loss / self.current_gradient_accumulation_steps
         self.hooks.backward(loss)
         return loss.detach()
 

@@ -34,12 +34,15 @@ from ..distributed.batch_size import train_with_executable_batch_size
 from ..evaluation.collector import PredictionOutput
 from ..observability.flos import FloCounter
 from ..observability.memory import MemoryMetrics
+from ..optimization.schedulers import LRScheduler
 from .arguments import TrainingArguments
 from .callbacks import CallbackAdapter
 from .composition import (
     TrainOutput,
+    args_snapshot,
     build_plugins,
     check_metric_for_best_model,
+    check_train_dataset,
     distributed_plugin,
     flo_counter,
     set_seed,
@@ -53,11 +56,12 @@ from .saving import save_model as save_final_model
 from .search import hyperparameter_search as _hyperparameter_search
 from .search import takes_trial
 from .step_hooks import TrainerStepHooks
+from .subclass_surface import MemoryTracker, TrainerInternals
 from .trainer_checks import check_model
 from .utilities import TrainerUtilities
 
 
-class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities, Engine):
+class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities, Engine):
     """HF's ``Trainer`` API over a trainbus Engine; every feature is a plugin chosen from ``args``.
 
     Args mirror ``transformers.Trainer``. ``callbacks`` may mix HF-style callbacks (instances or
@@ -108,8 +112,9 @@ class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.flo_counter = FloCounter(self.floating_point_ops)  # a subclass's floating_point_ops counts (HF)
         self.memory_metrics = None if args.skip_memory_metrics else MemoryMetrics()
-        if self.memory_metrics is not None:
-            self.memory_metrics.start("init")  # HF measures the constructor as the "init" stage
+        self._memory_tracker = MemoryTracker(self.memory_metrics)  # HF's name, for subclasses copying its bodies
+        self._memory_tracker.start()  # HF measures the constructor as the "init" stage
+        self.is_in_train = False  # HF: True between train()'s entry and exit
         model = self._prepare_model(model, model_init)
         self.processing_class = processing_class
         self.compute_loss_func = compute_loss_func
@@ -120,27 +125,28 @@ class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities
         )
         if args.eval_strategy != "no" and eval_dataset is None:
             raise ConfigError(f"eval_strategy={args.eval_strategy.value!r} needs an eval_dataset; none was given")
+        check_train_dataset(train_dataset, args.max_steps)  # the loader itself is made by train(), as in HF
         # several processes: made before the train loader, so the plan below counts global batches
         self.distributed = distributed_plugin(args)
         self._train_batch_size = args.train_batch_size  # auto_find_batch_size may lower it
-        train_loader = self.get_train_dataloader() if train_dataset is not None else None
-        max_epochs, max_steps = self._plan_length(train_loader)
+        max_epochs, max_steps = self._plan_length(None)
         super().__init__(
             model,
             optimizers[0],
-            train_data=train_loader,
+            train_data=None,
             max_epochs=max_epochs,
             max_steps=max_steps,
             device=args.device,
             label_names=self.label_names_arg,
         )
-        self.eval_data = self._eval_loaders(eval_dataset) if eval_dataset is not None else None
+        self.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # HF: the window being trained
         self._prediction_loss_only = args.prediction_loss_only
         self._ignore_keys: list[str] | None = None
         self._install_step_hooks()
-        self._compose(callbacks or [], plugins or [], optimizers[1], preprocess_logits_for_metrics)
-        if self.memory_metrics is not None:
-            self.memory_metrics.stop("init")
+        self._install_evaluate_override()  # a subclass's evaluate() is what the schedule runs (HF)
+        self._given = (optimizers[1], preprocess_logits_for_metrics)  # what composing again reuses
+        self._compose(callbacks or [], plugins or [])
+        self._memory_tracker.stop_and_update_metrics()
         self.callback_handler.init_end(self)
 
     # -- composition helpers ----------------------------------------------------------------------
@@ -155,7 +161,8 @@ class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities
         if model is None:
             if model_init is None:
                 raise ConfigError("Trainer needs a model (or model_init)")
-            model = model_init(None) if takes_trial(model_init) else model_init()  # HF: a 1-argument one gets the trial
+            # HF: a 1-argument one gets the trial (hyperparameter_search sets it), else None
+            model = model_init(getattr(self, "_trial", None)) if takes_trial(model_init) else model_init()
         self.model_init = model_init
         check_model(model)
         model = model.to(args.device)
@@ -168,12 +175,13 @@ class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities
         self._count_items = item_counter(model, self.label_names_arg)  # what the model's loss averages over
         return model
 
-    def _compose(self, callbacks: list[Any], plugins: list[Plugin], scheduler: Any, preprocess_logits: Any) -> None:
+    def _compose(self, callbacks: list[Any], plugins: list[Plugin]) -> None:
         """Attach the plugins built from args, the plugins among the callbacks, ``plugins``, the HF callbacks."""
         args = self.args
         hf_callbacks = [cb for cb in callbacks if not _is_plugin(cb)]
         self.callback_handler = CallbackAdapter(hf_callbacks, args, self.processing_class)
-        for plugin in build_plugins(self, args, scheduler, preprocess_logits):
+        self._built_plugins = build_plugins(self, args, *self._given)
+        for plugin in self._built_plugins:
             self.add_plugin(plugin)
         for cb in callbacks:
             if _is_plugin(cb):
@@ -182,7 +190,7 @@ class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities
             self.add_plugin(plugin)
         # a trainbus plugin among the callbacks may add eval metrics: then only the first evaluation knows
         self.metric_plugins_added = any(_is_plugin(cb) for cb in callbacks) or bool(plugins)
-        if args.metric_for_best_model is not None and self.eval_data is not None:
+        if args.metric_for_best_model is not None and self.eval_dataset is not None:
             check_metric_for_best_model(self, args.metric_for_best_model)
         self.add_plugin(self.callback_handler)
         # as accelerate's loader under HF: batch i+1 is made before step i runs, so a random collator's
@@ -191,6 +199,32 @@ class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities
         counter = flo_counter(self)  # last: its FIRST handlers run after those registered before it
         if counter is not None:
             self.add_plugin(counter)
+        self._composed_for = args_snapshot(args)
+
+    def _compose_again(self) -> None:
+        """``train()`` on arguments changed since the plugins were built (HF reads ``self.args`` in ``train()``):
+        the plugins built from the old arguments are replaced by those of the new ones, in the same places;
+        plugins the script added (callbacks, ``plugins=``, ``add_callback``) stay as they are."""
+        args = self.args
+        kept = [p for p in self.plugins if not any(p is b for b in self._built_plugins)]
+        for plugin in reversed(list(self.plugins)):
+            self.pop_plugin(plugin)
+        self.accumulation_steps = 1  # the new accumulation plugin (if any) sets it again
+        if self._composed_for.get("per_device_train_batch_size") != repr(args.per_device_train_batch_size):
+            self._train_batch_size = args.train_batch_size  # else what auto_find_batch_size found stays
+        self.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+        self._prediction_loss_only = args.prediction_loss_only
+        self.callback_handler.args = args
+        self.eval_data = None  # made again from the new arguments when first needed
+        built = build_plugins(self, args, *self._given)
+        if any(isinstance(p, LRScheduler) for p in kept):  # the script installed its own (self.lr_scheduler = ...)
+            built = [p for p in built if not isinstance(p, LRScheduler)]
+        self._built_plugins = built
+        for plugin in built + kept:
+            self.add_plugin(plugin)
+        if args.metric_for_best_model is not None and self.eval_dataset is not None:
+            check_metric_for_best_model(self, args.metric_for_best_model)
+        self._composed_for = args_snapshot(args)
 
     def overrides(self, method: str) -> bool:
         """Whether this Trainer's class replaces ``Trainer.<method>`` (composition asks, to pick plugins)."""
@@ -201,22 +235,45 @@ class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities
         """Train; ``resume_from_checkpoint`` is a checkpoint path or True for the latest in output_dir."""
         if kwargs:
             raise ConfigError(f"train() got unexpected arguments {sorted(kwargs)}; it takes resume_from_checkpoint")
-        if self.train_data is None:
+        if self.train_dataset is None:
             raise ConfigError("Trainer.train() needs a train_dataset")
         # a worker torchrun restarted goes on from its launch's last checkpoint
         resume_from_checkpoint = resume_after_restart(resume_from_checkpoint, self.args.output_dir)
-        if self.args.auto_find_batch_size:  # halve the batch on out-of-memory and start over (HF)
-            self.create_optimizer()  # every attempt starts from its state
-            resume, start = resume_from_checkpoint, self._train_batch_size
-            if resume:  # HF: a resume starts from the batch size the checkpoint trained with
-                path, saved = ckpt.resumed_batch_size(resume, self.args.output_dir)
-                resume, start = str(path), saved or start
-            return train_with_executable_batch_size(
-                self, start, self._use_train_batch_size, lambda: self._train(resume)
-            )
-        return self._train(resume_from_checkpoint)
+        self.is_in_train = True
+        try:
+            self._prepare_run()
+            if self.args.auto_find_batch_size:  # halve the batch on out-of-memory and start over (HF)
+                self.create_optimizer()  # every attempt starts from its state
+                resume, start = resume_from_checkpoint, self._train_batch_size
+                if resume:  # HF: a resume starts from the batch size the checkpoint trained with
+                    path, saved = ckpt.resumed_batch_size(resume, self.args.output_dir)
+                    resume, start = str(path), saved or start
+                return train_with_executable_batch_size(
+                    self, start, self._use_train_batch_size, lambda: self._train(resume)
+                )
+            return self._train(resume_from_checkpoint)
+        finally:
+            self.is_in_train = False
+
+    def _prepare_run(self) -> None:
+        """What HF's ``train()`` reads anew each time: a fresh model from ``model_init`` and ``self.args`` as they
+        are now (the plugins built from them are composed again when they changed)."""
+        fresh_model = self.model_init is not None
+        if fresh_model and not self.__dict__.pop("_model_just_made", False):  # HF: every train() starts from model_init's model, seeded, with a new optimizer
+            self.model = self._prepare_model(None, self.model_init)
+            self.optimizer = None
+        if fresh_model or args_snapshot(self.args) != self._composed_for:
+            self._compose_again()
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
+        # HF makes the train dataloader here, in train(): a subclass's get_train_dataloader sees the
+        # attributes it set after super().__init__, and the batch size of the arguments as they are now
+        loader = self.get_train_dataloader()
+        self.max_epochs, self.max_steps = self._plan_length(loader)
+        self.train_data = loader
+        return self._train_prepared(resume_from_checkpoint)
+
+    def _train_prepared(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         align_special_tokens(self.model, self.processing_class)
         if self.overrides("create_scheduler") or self.overrides("create_optimizer_and_scheduler"):
             self.create_optimizer_and_scheduler(num_training_steps=self._plan()[0])  # HF: a subclass's runs
@@ -244,7 +301,12 @@ class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ) -> dict[str, Any]:
         """Evaluate on ``eval_dataset`` (or the Trainer's); a dict of sets gives ``{prefix}_{name}_*`` keys."""
-        data = self.eval_data if eval_dataset is None else self._eval_loaders(eval_dataset)
+        if self._evaluation_open:  # super().evaluate() from a subclass's evaluate(): HF's body, in its evaluation
+            return self._evaluate_as_hf(eval_dataset, ignore_keys, metric_key_prefix)
+        # HF asks get_eval_dataloader at every evaluate() (persistent workers: the loader made first is kept)
+        persistent = eval_dataset is None and self.args.dataloader_persistent_workers
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        data = self.eval_data if persistent else (None if dataset is None else self._eval_loaders(dataset))
         if data is None:
             raise ConfigError("Trainer.evaluate() needs an eval_dataset (none was given to the Trainer)")
         only = self.args.prediction_loss_only or self.compute_metrics is None
@@ -300,7 +362,8 @@ class Trainer(TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities
         if "_accelerator" not in self.__dict__:
             from accelerate import Accelerator
 
-            self.__dict__["_accelerator"] = Accelerator(cpu=self.args.device.type == "cpu")
+            accelerator = Accelerator(cpu=self.args.device.type == "cpu")
+            self.__dict__["_accelerator"] = self._backward_through_hooks(accelerator)
         return self.__dict__["_accelerator"]
 
     @property

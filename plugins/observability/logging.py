@@ -273,7 +273,7 @@ class TrainLogger(Plugin):
             ev.engine.state.log_history.append({**ev.logs, "step": ev.engine.state.global_step})
 
     def eval_end(self, ev: EvalEndEvent) -> None:
-        if ev.metrics:
+        if ev.metrics and not ev.reported:  # reported: whoever made them logged them (a Trainer's own evaluate())
             ev.engine.log(ev.metrics)  # HF's evaluate() logs its metrics (and adds "epoch" to them)
 
     def train_end(self, ev: TrainEndEvent) -> None:

@@ -1,0 +1,297 @@
+"""HF ``Trainer`` internals that subclasses and copied method bodies touch, over trainbus's engine.
+
+transformers' own example trainers (``QuestionAnsweringTrainer``, ``QuestionAnsweringSeq2SeqTrainer``) and
+``training_step`` / ``evaluate`` overrides copied from HF's bodies use more than the public methods:
+``self._memory_tracker``, ``self._prepare_inputs``, ``self._move_model_to_device``, ``self.is_in_train``,
+``self.current_gradient_accumulation_steps``, ``self.accelerator.backward``, ``self.callback_handler.on_*``,
+``self.control``, ``self.compute_metrics = None`` around ``self.evaluation_loop``. This mixin gives each its
+HF meaning (docs/hf_surface.md lists them with their tests).
+
+An overridden ``evaluate`` drives the run as in HF: the evaluation the schedule asks for calls it, and
+the metrics it returns decide the best checkpoint, early stopping and a plateau schedule. It runs inside
+one evaluation of the engine (EVAL_START, the batches of its ``evaluation_loop`` as EVAL_BATCH_END, then
+EVAL_END carrying the returned metrics with ``reported=True``: the override logged them and called
+``on_evaluate`` itself, so the logger and the callback adapter leave them alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from trainbus.engine import ConfigError, Event
+from trainbus.engine.payloads import EvalBatchEndEvent, EvalEndEvent, EvalStartEvent
+
+from ..evaluation.collector import EvalCollector, EvalLoopOutput
+
+#: HF's TrainerMemoryTracker names its stage after the method that calls start() / stop_and_update_metrics()
+_STAGES = {
+    "__init__": "init",
+    "train": "train",
+    "_inner_training_loop": "train",
+    "_finalize_training": "train",
+    "evaluate": "eval",
+    "predict": "test",
+}
+
+
+class MemoryTracker:
+    """HF's ``TrainerMemoryTracker`` API (``start`` / ``stop`` / ``stop_and_update_metrics``) over ``MemoryMetrics``.
+
+    The stage is the calling method's name, as in HF (``evaluate`` -> ``eval``, ``predict`` -> ``test``);
+    with ``skip_memory_metrics=True`` (HF's default) every call does nothing.
+    """
+
+    def __init__(self, memory_metrics: Any) -> None:
+        self.memory_metrics = memory_metrics
+
+    @staticmethod
+    def _stage() -> str:
+        """The stage of the method that called start() / stop_and_update_metrics(); HF's ValueError otherwise."""
+        frame = inspect.currentframe()
+        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None  # type: ignore[union-attr]
+        name = "?" if caller is None else caller.f_code.co_name
+        if name not in _STAGES:
+            raise ValueError(f"was called from {name}, but only expect to be called from one of {_STAGES.keys()}")
+        return _STAGES[name]
+
+    def start(self) -> None:
+        if self.memory_metrics is not None:
+            self.memory_metrics.start(self._stage())
+
+    def stop(self, stage: str) -> dict[str, Any]:
+        return {} if self.memory_metrics is None else dict(self.memory_metrics.stop(stage))
+
+    def stop_and_update_metrics(self, metrics: dict[str, Any] | None = None) -> None:
+        if self.memory_metrics is not None:
+            self.memory_metrics.stop(self._stage(), metrics)
+
+
+class TrainerInternals:
+    """HF's internal attributes that subclasses use (a mixin of ``Trainer``)."""
+
+    # provided by Trainer / Engine
+    args: Any
+    model: torch.nn.Module
+    optimizer: Any
+    hooks: Any
+    label_names: Any
+    label_names_arg: list[str]
+    distributed: Any
+    _model_for_columns: Any
+    _prediction_loss_only: bool
+    _ignore_keys: list[str] | None
+    get_plugin: Any
+    overrides: Any
+    on: Any
+    _fire: Any
+    _open: Any
+    _close: Any
+    _fail: Any
+    _with: Any
+    callback_handler: Any
+
+    #: HF attributes a copied body reads; trainbus has no apex, no model parallelism, no hub search backend
+    use_apex = False
+    is_model_parallel = False
+    place_model_on_device = True
+    hp_search_backend: Any = None
+    _trial: Any = None
+    _evaluation_open = False
+
+    # -- the eval loaders: made when first needed, as HF makes them in evaluate() ------------------------
+    @property
+    def eval_data(self) -> Any:
+        data = self.__dict__.get("_eval_data")
+        dataset = self.__dict__.get("eval_dataset")
+        if data is None and dataset is not None:
+            data = self.__dict__["_eval_data"] = self._eval_loaders(dataset)  # type: ignore[attr-defined]
+        return data
+
+    @eval_data.setter
+    def eval_data(self, data: Any) -> None:
+        self.__dict__["_eval_data"] = data
+
+    # -- compute_metrics: HF scripts set it to None around an evaluation loop ----------------------
+    @property
+    def compute_metrics(self) -> Any:
+        return self.__dict__.get("_compute_metrics")
+
+    @compute_metrics.setter
+    def compute_metrics(self, fn: Any) -> None:
+        """``self.compute_metrics = None`` (trainer_qa.py) turns metrics off for the loops that follow, as in HF."""
+        self.__dict__["_compute_metrics"] = fn
+        collector = self.get_plugin(EvalCollector) if "plugins" in self.__dict__ else None
+        if collector is not None:
+            collector.compute_metrics = fn
+
+    # -- inputs and devices ------------------------------------------------------------------------
+    def _prepare_input(self, data: Any) -> Any:
+        """A tensor (or nested dict / list / tuple of them) on ``args.device`` (HF)."""
+        if isinstance(data, Mapping):
+            return type(data)({k: self._prepare_input(v) for k, v in data.items()})
+        if isinstance(data, tuple | list):
+            return type(data)(self._prepare_input(v) for v in data)
+        if isinstance(data, torch.Tensor):
+            return data.to(device=self.args.device)
+        return data
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        """The batch on the device; an empty one is a ValueError naming the columns the model takes (HF)."""
+        inputs = self._prepare_input(inputs)
+        if len(inputs) == 0:
+            raise ValueError(
+                "The batch received was empty, your model won't be able to train on it. Double-check that your "
+                f"training dataset contains keys expected by the model: {','.join(self._signature_columns)}."
+            )
+        return inputs
+
+    @property
+    def _signature_columns(self) -> list[str]:
+        from ..data.loading import signature_columns
+
+        return list(signature_columns(self._model_for_columns, self.label_names_arg))
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
+        """Move ``model`` to ``device`` unless it is spread over several devices already (HF)."""
+        if getattr(model, "hf_device_map", None) is not None:
+            return
+        model.to(device)
+
+    def _prepare_context_parallel_inputs(self, model: torch.nn.Module, inputs: Any) -> tuple[Callable[[], Any], Any]:
+        """No context parallelism in trainbus: an empty context and the inputs as they are (HF's shape)."""
+        return contextlib.nullcontext, inputs
+
+    @property
+    def is_deepspeed_enabled(self) -> bool:
+        return getattr(self.args, "deepspeed_plugin", None) is not None
+
+    @property
+    def is_fsdp_enabled(self) -> bool:
+        return getattr(self.args, "fsdp_plugin_args", None) is not None
+
+    def _get_learning_rate(self) -> float:
+        """The learning rate of the first parameter group (HF's, for logging and LOMO)."""
+        if self.optimizer is None:
+            raise ConfigError("the Trainer has no optimizer yet: call create_optimizer() or train() first")
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _backward_through_hooks(self, accelerator: Any) -> Any:
+        """``accelerator.backward(loss)`` in a copied ``training_step`` goes through trainbus's backward hook,
+        so mixed precision's scaler and the other plugins see it (one process; several processes use
+        accelerate's own, which the Distributed plugin prepared)."""
+        hooks_owner = self
+
+        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            hooks_owner.hooks.backward(loss)
+
+        accelerator.backward = backward
+        return accelerator
+
+    # -- an overridden evaluate() is one evaluation of the engine -------------------------------------
+    def _install_evaluate_override(self) -> None:
+        if not self.overrides("evaluate"):
+            return
+        override = type(self).evaluate.__get__(self)  # type: ignore[attr-defined]
+
+        @functools.wraps(override)
+        def evaluate(*args: Any, **kwargs: Any) -> Any:
+            if self._evaluation_open:  # the override calls itself, or evaluate() within: one evaluation
+                return override(*args, **kwargs)
+            prefix = kwargs.get("metric_key_prefix", "eval")
+            return self._one_evaluation(str(prefix), lambda: override(*args, **kwargs))
+
+        self.evaluate = evaluate  # the schedule (engine) and the script both call it through here
+
+    def _one_evaluation(self, prefix: str, body: Callable[[], Any]) -> Any:
+        """EVAL_START, ``body()`` (its loops fire the batches), EVAL_END with the metrics ``body`` returned."""
+        engine: Any = self
+        result: dict[str, Any] = {}
+        self._evaluation_open = True
+        depth = self._open(Event.EVAL_END, lambda: EvalEndEvent(engine, dict(result), prefix, reported=True))
+        try:
+            # the override makes its own loader (get_eval_dataloader): none is made here for the payload
+            self._fire(Event.EVAL_START, lambda: EvalStartEvent(engine, None, prefix))
+            metrics = body()
+            if isinstance(metrics, Mapping):
+                result.update(metrics)
+            self._evaluation_open = False
+            self._close(depth)
+        except BaseException as error:
+            self._evaluation_open = False
+            self._fail(error, depth, "evaluate")
+            raise
+        return metrics
+
+    def _loop_in_evaluation(
+        self, dataloader: Any, loss_only: bool, ignore_keys: list[str] | None, prefix: str
+    ) -> EvalLoopOutput:
+        """HF's evaluation_loop inside an open evaluation: the batches fire EVAL_BATCH_END, and the collector
+        gives this loop's predictions and ``{prefix}_*`` metrics (no EVAL_END: the evaluation is still open)."""
+        engine: Any = self
+        collector = self.get_plugin(EvalCollector)
+        hooks, model = self.hooks, self.model
+        data = hooks.eval_data(dataloader)
+        was_training = model.training
+        model.eval()
+        collector.start_pass(data, prefix)
+        try:
+
+            def run() -> None:
+                with torch.inference_mode():
+                    for batch in data:
+                        batch = hooks.to_device(batch, engine.device)
+                        loss, logits, labels = hooks.prediction_step(
+                            model, batch, hooks.forward, hooks.compute_loss, self.label_names
+                        )
+                        self._fire(
+                            Event.EVAL_BATCH_END,
+                            lambda: EvalBatchEndEvent(engine, batch, loss, logits, labels, prefix),
+                        )
+
+            self._with(loss_only, ignore_keys, run)
+            return collector.finish_pass(engine)  # type: ignore[no-any-return]
+        finally:
+            model.train(was_training)
+
+    def _evaluate_as_hf(
+        self, eval_dataset: Any, ignore_keys: list[str] | None, metric_key_prefix: str
+    ) -> dict[str, Any]:
+        """HF's evaluate() body, inside an evaluation a subclass's override opened (``super().evaluate()``):
+        the loop, the speed metrics, ``self.log`` and ``on_evaluate``; the metrics are returned."""
+        trainer: Any = self
+        if isinstance(eval_dataset, Mapping):
+            merged: dict[str, Any] = {}
+            for name, subset in eval_dataset.items():
+                merged.update(self._evaluate_as_hf(subset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return merged
+        if eval_dataset is None and isinstance(trainer.eval_dataset, Mapping):
+            return self._evaluate_as_hf(trainer.eval_dataset, ignore_keys, metric_key_prefix)
+        loader = trainer.get_eval_dataloader(eval_dataset)
+        start = time.time()
+        output = trainer.evaluation_loop(
+            loader,
+            description="Evaluation",
+            prediction_loss_only=True if self.compute_metrics is None else None,
+            ignore_keys=ignore_keys,
+            metric_key_prefix=metric_key_prefix,
+        )
+        runtime = time.time() - start
+        steps = math.ceil(output.num_samples / max(self.args.eval_batch_size * self.args.world_size, 1))
+        output.metrics.update(
+            {
+                f"{metric_key_prefix}_runtime": round(runtime, 4),
+                f"{metric_key_prefix}_samples_per_second": round(output.num_samples / runtime, 3) if runtime else 0.0,
+                f"{metric_key_prefix}_steps_per_second": round(steps / runtime, 3) if runtime else 0.0,
+            }
+        )
+        trainer.log(output.metrics)
+        trainer.control = self.callback_handler.on_evaluate(self.args, trainer.state, trainer.control, output.metrics)
+        return dict(output.metrics)
