@@ -197,7 +197,8 @@ class TrainerInternals:
 
     # -- an overridden evaluate() is one evaluation of the engine -------------------------------------
     def _install_evaluate_override(self) -> None:
-        if not self.overrides("evaluate"):
+        owner = next(k for k in type(self).__mro__ if "evaluate" in vars(k))
+        if owner.__module__.startswith("trainbus.plugins.facade."):  # Trainer's or Seq2SeqTrainer's own
             return
         override = type(self).evaluate.__get__(self)  # type: ignore[attr-defined]
 
