@@ -23,6 +23,7 @@ class TrainerOptimizers:
     optimizer: torch.optim.Optimizer | None
     optimizer_cls_and_kwargs: Any
     train_data: Any
+    max_steps: int | None
     get_plugin: Any
     pop_plugin: Any
     add_plugin: Any
@@ -49,33 +50,40 @@ class TrainerOptimizers:
         if isinstance(plugin, LRScheduler) and plugin.scheduler_name is not None:
             plugin.scheduler = None
 
-    def create_optimizer(self) -> torch.optim.Optimizer:
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """HF's: the optimizer of ``args`` over ``model`` (default the Trainer's), unless there is one already.
+
+        The trainable parameters come in two groups, the weight-decay group first and both present even
+        when one is empty (HF's ``optimizer_grouped_parameters``).
+        """
+        opt_model = self.model if model is None else model
         if self.optimizer is None and (
             self.optimizer_cls_and_kwargs is not None or self.overrides("get_optimizer_cls_and_kwargs")
         ):
-            self.optimizer = self._optimizer_from_cls_and_kwargs()
+            self.optimizer = self._optimizer_from_cls_and_kwargs(opt_model)
         if self.optimizer is None:
             args = self.args
             name = args.optim
-            if name == "adamw_torch_fused" and not fused_adamw_supported(self.model):
+            if name == "adamw_torch_fused" and not fused_adamw_supported(opt_model):
                 name = "adamw_torch"
-            total_steps = self._plan()[0] if self.train_data is not None else 0  # for schedule-free warmup
+            # for schedule-free warmup; before train() made the loader only max_steps is known
+            total_steps = self._plan()[0] if self.train_data is not None else (self.max_steps or 0)
             self.optimizer = create_optimizer(
-                self.model, name, args.learning_rate, args.weight_decay, args.adam_beta1, args.adam_beta2,
+                opt_model, name, args.learning_rate, args.weight_decay, args.adam_beta1, args.adam_beta2,
                 args.adam_epsilon, args.optim_args, optim_target_modules=args.optim_target_modules,
                 warmup_steps=args.get_warmup_steps(total_steps),
             )  # fmt: skip
         return self.optimizer
 
-    def _optimizer_from_cls_and_kwargs(self) -> torch.optim.Optimizer:
+    def _optimizer_from_cls_and_kwargs(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """HF's path for ``optimizer_cls_and_kwargs`` or an overridden ``get_optimizer_cls_and_kwargs``:
         the class gets the weight-decay groups, unless the kwargs bring ``params`` or ``model`` (GaLore, LOMO)."""
         if self.optimizer_cls_and_kwargs is not None:
             optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
         else:
-            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
         kwargs = dict(kwargs)
-        params: Any = parameter_groups(self.model, self.args.weight_decay)
+        params: Any = parameter_groups(model, self.args.weight_decay)
         for key in ("params", "model"):
             if key in kwargs:
                 params = kwargs.pop(key)

@@ -53,10 +53,17 @@ class TrainerUtilities:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def get_optimizer_group(self, param: str | torch.nn.Parameter | None = None) -> Any:
-        """The optimizer group holding ``param`` (a parameter or its name), or all groups (HF)."""
+        """HF's: the optimizer group (its dict) holding ``param``; without one, every group's parameter list.
+
+        ``get_optimizer_group()`` is ``[group["params"] for group in optimizer.param_groups]``, the
+        weight-decay group first, as transformers returns it. ``param`` may also be a parameter's name
+        (trainbus's addition); a parameter in no group (a frozen one) raises instead of HF's falling back
+        to the list of all groups. Membership is by identity (HF's ``in`` compares the values of one-element
+        tensors, so two equal scalar parameters can find each other's group there).
+        """
         optimizer = self._need_optimizer()
         if param is None:
-            return optimizer.param_groups
+            return [group["params"] for group in optimizer.param_groups]
         if isinstance(param, str):
             named = dict(self.model.named_parameters())
             if param not in named:

@@ -31,7 +31,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from trainbus.engine import ConfigError
-from trainbus.engine.errors import suggest
+from trainbus.engine.errors import ConfigImportError, ConfigTypeError, suggest
 
 from .optimizer_resolvers import OptimizerRequest as OptimizerRequest  # re-exported: callers build requests
 from .optimizer_resolvers import (
@@ -162,7 +162,7 @@ def check_optim(
     """
     spec = optimizer_spec(name)
     if spec.module != "torch" and importlib.util.find_spec(spec.module) is None:
-        raise ConfigError(f"optim={name!r} needs the package {spec.pip}: {spec.how_to_install()}")
+        raise ConfigImportError(f"optim={name!r} needs the package {spec.pip}: {spec.how_to_install()}")
     if spec.device == "cuda" and has_cuda is False:
         raise ConfigError(f"optim={name!r} needs a CUDA GPU ({spec.pip} runs it on torch.cuda); this run has none")
     if spec.low_rank:
@@ -174,8 +174,8 @@ def check_optim(
         valid = isinstance(target_modules, str) or (
             isinstance(target_modules, list) and all(isinstance(t, str) for t in target_modules)
         )
-        if not valid:
-            raise ConfigError(
+        if not valid:  # a TypeError, as in transformers
+            raise ConfigTypeError(
                 "optim_target_modules must be a string (a regex or 'all-linear') or a list of strings, "
                 f"got {target_modules!r}"
             )

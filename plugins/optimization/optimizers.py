@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbus.engine import ConfigError, Plugin
+from trainbus.engine.errors import ConfigImportError, ConfigNotImplementedError
 
 from .optimizer_names import OPTIMIZER_NAMES, OptimizerRequest, check_optim
 from .optimizer_state import LayerwiseOptimizer, keep_state_plain
@@ -91,17 +92,20 @@ def count_trainable_parameters(model: torch.nn.Module) -> int:
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups of the trainable parameters: decayed ones with ``weight_decay``, the rest with 0.
+    """Two groups of the trainable parameters: decayed ones with ``weight_decay`` first, the rest with 0.
 
-    Empty groups are left out (torch optimizers accept them, but they clutter state dicts).
+    Both groups are there even when one is empty (a model without biases), as in HF's ``create_optimizer``:
+    ``get_optimizer_group()``, ``get_learning_rates()`` and the optimizer's state dict list two groups
+    under either. With no trainable parameter at all there are no groups (the optimizer's own error).
     """
     decay = set(get_decay_parameter_names(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [
+    if not named:
+        return []
+    return [
         {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
-    return [g for g in groups if g["params"]]
 
 
 def _parse_value(text: str) -> Any:
@@ -240,12 +244,14 @@ def _build_named(request: OptimizerRequest) -> torch.optim.Optimizer:
         has_cuda=_tensors_on_cuda(groups),
     )  # fmt: skip
     if spec.steps_in_backward and _processes() > 1:
-        raise ConfigError(f"optim={name!r} updates the parameters inside backward, which DDP does not support")
+        raise ConfigNotImplementedError(  # transformers: NotImplementedError("Layer-wise ... does not support DDP")
+            f"optim={name!r} updates the parameters inside backward, which DDP does not support"
+        )
     try:
         cls, params, kwargs = spec.resolve(request)
     except ImportError as exc:  # the package is there but one it imports is not
         missing = exc.name or str(exc)
-        raise ConfigError(f"optim={name!r} needs the package {missing}: pip install {missing}") from exc
+        raise ConfigImportError(f"optim={name!r} needs the package {missing}: pip install {missing}") from exc
     if spec.layerwise:
         return _instantiate(name, partial(LayerwiseOptimizer, cls), params, kwargs)
     optimizer = _instantiate(name, cls, params, kwargs)
@@ -301,7 +307,7 @@ def optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = None) ->
         cls, params, kwargs = spec.resolve(request)
     except ImportError as exc:
         missing = exc.name or str(exc)
-        raise ConfigError(f"optim={name!r} needs the package {missing}: pip install {missing}") from exc
+        raise ConfigImportError(f"optim={name!r} needs the package {missing}: pip install {missing}") from exc
     if spec.fused_backward:
         kwargs["model"] = params
     elif spec.low_rank:
