@@ -1,7 +1,9 @@
 """Error types and control-flow exceptions of the engine.
 
 Configuration errors are raised at construction time and name the bad value and what is
-allowed. Handler failures are wrapped so the message names the handler and the event.
+allowed. Each is a ``ConfigError`` (a ``ValueError``); where transformers raises another type for the
+same mistake, the subclass named after that type is an instance of both, so ``except RuntimeError``
+in a ported script still catches it. Handler failures are wrapped so the message names the handler and the event.
 """
 
 from __future__ import annotations
@@ -16,6 +18,33 @@ class TrainbusError(Exception):
 
 class ConfigError(TrainbusError, ValueError):
     """A bad value given at construction time (a size, a name, an impossible combination)."""
+
+
+class ConfigRuntimeError(ConfigError, RuntimeError):
+    """A ``ConfigError`` where transformers raises ``RuntimeError`` (both ``optimizers`` and its cls_and_kwargs)."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A ``ConfigError`` where transformers raises ``TypeError`` (an argument of the wrong kind)."""
+
+
+class ConfigNotImplementedError(ConfigError, NotImplementedError):
+    """A ``ConfigError`` where transformers raises ``NotImplementedError`` (a combination it does not support)."""
+
+
+class ConfigImportError(ConfigError, ImportError):
+    """A ``ConfigError`` where transformers raises ``ImportError`` (a package the choice needs is missing)."""
+
+
+class ConfigKeyError(ConfigError, KeyError):
+    """A ``ConfigError`` where transformers raises ``KeyError`` (a metric name the evaluation does not return)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; the message reads as every other error's
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class ConfigAssertionError(ConfigError, AssertionError):
+    """A ``ConfigError`` where transformers asserts (``EarlyStoppingCallback`` without ``metric_for_best_model``)."""
 
 
 class HandlerError(TrainbusError, RuntimeError):

@@ -3,16 +3,21 @@
 The engine's messages speak the engine's language (``Engine(..., loss_fn=...)``); a Trainer user has
 no ``loss_fn`` to pass, so the Trainer's path re-words them in transformers' terms: make the model
 return a loss, pass ``compute_loss_func``, or override ``compute_loss``.
+
+A mistake raises the exception type transformers raises for it (a ported ``except RuntimeError`` still
+catches it), as a ``ConfigError`` subclass (``trainbus.engine.errors``), so it is also a ``ValueError``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
 
 from trainbus.engine import ConfigError
+from trainbus.engine.errors import ConfigRuntimeError, ConfigTypeError
 from trainbus.hooks import loss_from_outputs as engine_loss_from_outputs
 
 
@@ -23,6 +28,92 @@ def check_model(model: Any) -> None:
             f"Trainer: model must be a torch.nn.Module (e.g. a transformers PreTrainedModel), got {model!r} "
             f"({type(model).__name__}); to load one by name use AutoModelFor...from_pretrained(name)"
         )
+
+
+def check_trainer_arguments(
+    model: Any,
+    model_init: Any,
+    optimizers: tuple[Any, Any],
+    optimizer_cls_and_kwargs: Any,
+    data_collator: Any,
+) -> None:
+    """The ``Trainer.__init__`` checks transformers 5 makes, each raising transformers' exception type.
+
+    A model or a ``model_init`` (RuntimeError when neither, ValueError when both); ``optimizers`` not
+    with ``optimizer_cls_and_kwargs`` nor with ``model_init`` (RuntimeError: a new model each train()
+    would leave the given optimizer on the old one's parameters); a collator that is a callable
+    (TypeError for an object with only the old ``collate_batch`` method).
+    """
+    if model is None and model_init is None:
+        raise ConfigRuntimeError("Trainer requires either a `model` or `model_init` argument; got neither")
+    if model is not None and model_init is not None:
+        raise ConfigError(
+            "Trainer requires either a `model` or `model_init` argument, but not both: model_init would replace "
+            "the model at train(); pass one of them"
+        )
+    optimizer, scheduler = optimizers
+    if optimizer_cls_and_kwargs is not None and optimizer is not None:
+        raise ConfigRuntimeError(
+            "Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible: pass "
+            "optimizers=(optimizer, scheduler) or optimizer_cls_and_kwargs=(cls, kwargs), not both"
+        )
+    if model_init is not None and (optimizer is not None or scheduler is not None):
+        raise ConfigRuntimeError(
+            "Passing a `model_init` is incompatible with providing the `optimizers` argument (each train() builds "
+            "a new model): subclass Trainer and override create_optimizer_and_scheduler"
+        )
+    if data_collator is not None and not callable(data_collator):
+        raise ConfigTypeError(
+            f"data_collator must be a callable (a function, or an object with __call__), got "
+            f"{type(data_collator).__name__}"
+            + (" (its collate_batch method is the old interface: pass it as the callable)"
+               if callable(getattr(data_collator, "collate_batch", None)) else "")
+        )  # fmt: skip
+
+
+def model_from_init(model_init: Callable[..., Any], trial: Any = None) -> Any:
+    """HF's ``call_model_init``: ``model_init()`` or ``model_init(trial)`` by its number of parameters.
+
+    A function of more parameters, or one that returns None, raises RuntimeError as in transformers; a
+    class is called without the trial.
+    """
+    if isinstance(model_init, type):
+        count = 0
+    else:
+        try:
+            count = len(inspect.signature(model_init).parameters)
+        except (TypeError, ValueError) as exc:  # not a function at all
+            raise ConfigTypeError(f"model_init must be a function, got {model_init!r}") from exc
+    if count > 1:
+        raise ConfigRuntimeError(
+            f"model_init should have 0 or 1 argument (the hyperparameter-search trial), got {count}: {model_init!r}"
+        )
+    model = model_init(trial) if count == 1 else model_init()
+    if model is None:
+        raise ConfigRuntimeError(f"model_init should not return None; {model_init!r} did")
+    return model
+
+
+def check_train_kwargs(kwargs: Mapping[str, Any], handled: Collection[str] = ()) -> None:
+    """``train()``'s keyword arguments besides ``resume_from_checkpoint``.
+
+    A name HF's ``train`` does not take is a TypeError, as Python raises for HF's signature (and 4.x's
+    ``**kwargs`` check). HF's ``trial`` and ``ignore_keys_for_eval`` pass when the caller ``handled``
+    them or when they are None; otherwise they are a ConfigError saying so.
+    """
+    unknown = sorted(set(kwargs) - set(HF_TRAIN_KWARGS))
+    if unknown:
+        raise ConfigTypeError(
+            f"train() got unexpected keyword arguments {unknown}; it takes resume_from_checkpoint, "
+            + ", ".join(HF_TRAIN_KWARGS)
+        )
+    unhandled = sorted(k for k, v in kwargs.items() if k not in handled and v is not None)
+    if unhandled:
+        raise ConfigError(f"train(): trainbus does not take {unhandled} here (leave them None)")
+
+
+#: HF ``Trainer.train``'s keyword arguments after ``resume_from_checkpoint``
+HF_TRAIN_KWARGS = ("trial", "ignore_keys_for_eval")
 
 
 def loss_from_outputs(outputs: Any, batch: Any = None) -> torch.Tensor:
