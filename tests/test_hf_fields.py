@@ -208,9 +208,28 @@ def _padding(batches: list[list[int]], lengths: list[int]) -> int:
     return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches)
 
 
-def test_group_by_length_trains_on_transformers_length_groups(tmp_path: Path) -> None:
+class EpochStartRng(Plugin):
+    """Records torch's global generator state as each epoch starts."""
+
+    def __init__(self) -> None:
+        self.states: list[torch.Tensor] = []
+
+    def attach(self, engine: Any) -> None:
+        self.on(engine, Event.EPOCH_START, lambda ev: self.states.append(torch.get_rng_state()))
+
+
+def transformers_draw(state: torch.Tensor, lengths: list[int], group: int) -> list[int]:
+    """transformers' epoch order from the global generator at the epoch's start: the DataLoader draws
+    its base seed (one int64), then LengthGroupedSampler's get_length_grouped_indices draws the shuffle."""
     from transformers.trainer_pt_utils import get_length_grouped_indices
 
+    generator = torch.Generator()
+    generator.set_state(state)
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
+    return list(get_length_grouped_indices(lengths, group, generator=generator))
+
+
+def test_group_by_length_trains_on_transformers_length_groups(tmp_path: Path) -> None:
     args = quiet_args(
         tmp_path,
         train_sampling_strategy="group_by_length",
@@ -220,16 +239,21 @@ def test_group_by_length_trains_on_transformers_length_groups(tmp_path: Path) ->
         seed=5,
     )
     trainer = Trainer(
-        TokenScorer(), args, train_dataset=token_rows(LENGTHS), data_collator=pad_collator, callbacks=[SeenBatches()]
+        TokenScorer(),
+        args,
+        train_dataset=token_rows(LENGTHS),
+        data_collator=pad_collator,
+        callbacks=[SeenBatches(), EpochStartRng()],
     )
-    assert isinstance(trainer.get_train_dataloader().sampler, LengthGroupedEpochSampler)
     trainer.train()
+    assert isinstance(trainer.train_data.sampler, LengthGroupedEpochSampler)
+    states = trainer.get_plugin(EpochStartRng).states
     expected = []
-    for epoch in (0, 1):  # transformers' grouping over batch x accumulation, its shuffle seeded by seed + epoch
-        order = get_length_grouped_indices(LENGTHS, 4, generator=torch.Generator().manual_seed(5 + epoch))
-        expected += batches_of(order, 2)
+    for state in states:  # transformers' grouping over batch x accumulation, shuffled by the global generator
+        expected += batches_of(transformers_draw(state, LENGTHS, 4), 2)
     seen = trainer.get_plugin(SeenBatches).seen
-    assert seen == expected
+    assert len(states) == 2 and seen == expected
+    assert seen[:16] != seen[16:]  # the generator moved on: another order in the second epoch
     random_order = batches_of(epoch_order(EpochSampler(32, 5), 0), 2)
     assert _padding(seen[:16], LENGTHS) < _padding(random_order, LENGTHS) / 2
 
@@ -260,11 +284,23 @@ def test_group_by_length_reads_the_length_column(tmp_path: Path) -> None:
     assert "n_tokens" not in next(iter(trainer.get_train_dataloader()))  # the column is still removed before batching
 
 
-def test_group_by_length_sampler_is_seeded_per_epoch() -> None:
+def test_group_by_length_sampler_draws_from_the_global_generator_and_resumes() -> None:
     sampler = LengthGroupedEpochSampler(4, LENGTHS, seed=1)
-    first, again = epoch_order(sampler, 3), epoch_order(sampler, 3)
-    assert first == again and sorted(first) == list(range(32))
-    assert epoch_order(sampler, 4) != first
+    torch.manual_seed(1)
+    first = epoch_order(sampler, 3)
+    torch.manual_seed(1)
+    assert epoch_order(sampler, 3) == first and sorted(first) == list(range(32))
+    assert epoch_order(sampler, 4) != first  # the generator moved on
+    torch.manual_seed(1)
+    epoch_order(sampler, 3)
+    saved = sampler.state_dict()
+    assert saved["epoch"] == 3
+    resumed = LengthGroupedEpochSampler(4, LENGTHS, seed=1)
+    resumed.load_state_dict(saved)
+    torch.manual_seed(999)
+    before = torch.get_rng_state()
+    assert epoch_order(resumed, 3) == first  # the saved epoch's draw again, from its own generator
+    assert torch.equal(torch.get_rng_state(), before)  # the global generator is the resume's to restore
 
 
 def test_sequential_strategy(tmp_path: Path) -> None:
@@ -279,7 +315,7 @@ def test_sequential_strategy(tmp_path: Path) -> None:
     [
         ({"train_sampling_strategy": "batch_rebalance"}, "'batch_rebalance' is not supported"),
         ({"train_sampling_strategy": "shuffled"}, r"must be one of \['random', 'sequential', 'group_by_length'\]"),
-        ({"group_by_length": True}, "train_sampling_strategy='group_by_length'"),
+        ({"group_by_length": True, "train_sampling_strategy": "sequential"}, "group_by_length=True .* pass one"),
     ],
 )
 def test_bad_sampling_strategies(kwargs: dict[str, Any], match: str) -> None:

@@ -1,10 +1,23 @@
 """The train sampler HF's ``train_sampling_strategy`` names: random, sequential or grouped by length.
 
-``"group_by_length"`` uses transformers' ``LengthGroupedSampler`` (shuffle, cut into mega-batches,
-sort each by length, longest batch first), so batches hold examples of similar length and need
-little padding. Its shuffle is drawn from a generator seeded by ``seed + epoch``, like
-``EpochSampler``: every process and a resumed run draw the same order, which the mid-epoch resume
-skip relies on.
+``"group_by_length"`` (transformers 4.x: ``group_by_length=True``) uses transformers'
+``get_length_grouped_indices`` (shuffle, cut into mega-batches, sort each by length, longest batch
+first), so batches hold examples of similar length and need little padding.
+
+Its shuffle is the one transformers draws: ``LengthGroupedSampler`` has no generator of its own
+(accelerate's seedable sampler replaces only a ``RandomSampler``), so each epoch's permutation comes
+from torch's global generator when the epoch starts, after the DataLoader drew its base seed from it.
+trainbus draws from the same generator at the same point, so with the same seed (and the same draws
+before, the model's init and dropout) it trains on the same batches, every epoch. ``data_seed`` does
+not change that order, as in transformers.
+
+A mid-epoch resume cannot draw again (the global generator has moved on since the epoch started), so
+the sampler keeps the generator state each epoch drew from, the ``LengthGroupedOrder`` plugin saves it
+in the checkpoint, and the resumed epoch draws its permutation from that state on a generator of its
+own: the order of the interrupted run, bit for bit, with the global generator left to the resume.
+Under several processes each rank's global generator may differ (dropout draws depend on the rank's
+batches), so there the shuffle is drawn from ``seed + epoch`` (``data_seed`` if set) instead, the same
+order on every rank (and again on resume) but not transformers' one.
 
 Unlike transformers 5, which also groups eval and test sets by length (so ``predict`` returns rows
 in a shuffled order), trainbus groups only the train set: eval and predictions keep the data-set order.
@@ -13,14 +26,17 @@ in a shuffled order), trainbus groups only the train set: eval and predictions k
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 
-from trainbus.engine import ConfigError
+from trainbus.engine import ConfigError, Event, Plugin, Priority
 
 from .loading import EpochSampler
+
+if TYPE_CHECKING:
+    from trainbus.engine import Engine, TrainStartEvent
 
 #: the values of ``train_sampling_strategy`` trainbus implements (HF 5 also has "batch_rebalance")
 SAMPLING_STRATEGIES = ("random", "sequential", "group_by_length")
@@ -37,45 +53,131 @@ def check_sampling_strategy(strategy: str) -> None:
         raise ConfigError(f"train_sampling_strategy must be one of {list(SAMPLING_STRATEGIES)}, got {strategy!r}")
 
 
+def sampling_strategy(strategy: str, group_by_length: bool = False) -> str:
+    """The strategy to train with: ``strategy``, or ``"group_by_length"`` for transformers 4.x's
+    ``group_by_length=True``; a strategy that says otherwise next to it raises ``ConfigError``."""
+    check_sampling_strategy(strategy)
+    if not group_by_length:
+        return strategy
+    if strategy not in ("random", "group_by_length"):  # "random" is the default: not a choice that conflicts
+        raise ConfigError(
+            f"group_by_length=True (transformers 4.x) asks for train_sampling_strategy='group_by_length', but "
+            f"train_sampling_strategy={strategy!r} was given too: pass one of them"
+        )
+    return "group_by_length"
+
+
+def _several_processes() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class LengthGroupedEpochSampler(Sampler[int]):
-    """transformers' ``LengthGroupedSampler`` with its shuffle seeded by ``seed + epoch``.
+    """transformers' ``LengthGroupedSampler``, drawing its shuffle where transformers does, and resumable.
 
     Args:
         batch_size: examples per group of similar length (HF: per-device batch x accumulation steps).
         lengths: the length of every example.
-        seed: base seed; epoch ``e`` draws from ``torch.Generator().manual_seed(seed + e)``.
+        seed: the shuffle's seed under several processes only (``seed + epoch``); in one process the
+            shuffle comes from torch's global generator, as in transformers (seeded by ``set_seed``).
 
     Example:
         >>> s = LengthGroupedEpochSampler(2, [1, 9, 2, 8], seed=0)
-        >>> order = list(s)
+        >>> _ = torch.manual_seed(0); order = list(s)
         >>> sorted(order), order[0]  # every example once, the longest first
         ([0, 1, 2, 3], 1)
-        >>> s.set_epoch(1); again = list(s); s.set_epoch(1); again == list(s)  # one order per epoch
+        >>> _ = torch.manual_seed(0); order == list(s)  # the global generator's draw, as transformers'
         True
     """
 
     def __init__(self, batch_size: int, lengths: Sequence[int], seed: int) -> None:
         try:
-            from transformers.trainer_pt_utils import LengthGroupedSampler
+            from transformers.trainer_pt_utils import get_length_grouped_indices
         except ImportError as exc:  # transformers is an optional dependency of trainbus
             raise ConfigError(
                 "train_sampling_strategy='group_by_length' uses transformers' LengthGroupedSampler: "
                 "pip install transformers"
             ) from exc
-        self.inner = LengthGroupedSampler(batch_size, lengths=list(lengths))
+        self.grouped_indices = get_length_grouped_indices
+        self.batch_size = batch_size
+        self.lengths = list(lengths)
         self.seed = seed
         self.epoch = 0
+        self.drawn: tuple[int, torch.Tensor] | None = None  # (epoch, generator state it drew from)
+        self._resume: tuple[int, torch.Tensor] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.inner)
+        return len(self.lengths)
 
     def __iter__(self) -> Iterator[int]:
-        self.inner.generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        yield from self.inner
+        yield from self.grouped_indices(self.lengths, self.batch_size, generator=self._generator())
         self.epoch += 1  # a finished pass moves on by itself, as EpochSampler does
+
+    def _generator(self) -> torch.Generator | None:
+        """None (torch's global generator, transformers' draw), or the generator to draw from instead."""
+        resume, self._resume = self._resume, None
+        if _several_processes():
+            self.drawn = None
+            return torch.Generator().manual_seed(self.seed + self.epoch)
+        if resume is not None and resume[0] == self.epoch:  # the interrupted epoch: its own draw again
+            self.drawn = resume
+            generator = torch.Generator()
+            generator.set_state(resume[1])
+            return generator
+        self.drawn = (self.epoch, torch.get_rng_state())
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch last drawn and the generator state it drew from (empty before the first draw)."""
+        if self.drawn is None:
+            return {}
+        return {"epoch": self.drawn[0], "rng_state": self.drawn[1].clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Draw epoch ``state["epoch"]`` from its saved state when that epoch is the next one drawn."""
+        if state:
+            self._resume = (int(state["epoch"]), torch.as_tensor(state["rng_state"], dtype=torch.uint8).clone())
+
+
+def grouped_sampler_of(data: Any) -> LengthGroupedEpochSampler | None:
+    """The ``LengthGroupedEpochSampler`` a train loader draws from, if any."""
+    for owner in (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None)):
+        if isinstance(owner, LengthGroupedEpochSampler):
+            return owner
+    return None
+
+
+class LengthGroupedOrder(Plugin):
+    """Keeps the length-grouped shuffle of the epoch in progress in checkpoints (see the module's doc).
+
+    Attached by the Trainer with ``train_sampling_strategy="group_by_length"``; with any other sampler it
+    saves nothing and does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+        self.pending: dict[str, Any] = {}
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        # first: the state reaches the sampler before any handler could start iterating the data
+        self.on(engine, Event.TRAIN_START, self._hand_over, priority=Priority.FIRST)
+
+    def _hand_over(self, ev: TrainStartEvent) -> None:
+        sampler = grouped_sampler_of(ev.engine.train_data)
+        if sampler is not None and self.pending:
+            sampler.load_state_dict(self.pending)
+        self.pending = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = grouped_sampler_of(getattr(self.engine, "train_data", None))
+        return sampler.state_dict() if sampler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = dict(state)
 
 
 def example_lengths(dataset: Any, length_column_name: str, model_input_name: str | None) -> list[int]:
@@ -152,8 +254,11 @@ def train_sampler(
 __all__ = [
     "SAMPLING_STRATEGIES",
     "LengthGroupedEpochSampler",
+    "LengthGroupedOrder",
     "check_sampling_strategy",
     "example_lengths",
+    "grouped_sampler_of",
     "main_input_name_of",
+    "sampling_strategy",
     "train_sampler",
 ]

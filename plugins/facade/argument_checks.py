@@ -30,7 +30,6 @@ from trainbus.engine.errors import check_positive_int
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "activation_checkpointing": (None, "use gradient_checkpointing"),
     "activation_checkpointing_kwargs": (None, "use gradient_checkpointing_kwargs"),
-    "eval_use_gather_object": (False, ""),
     "save_on_each_node": (False, "only the main process saves"),
     "enable_jit_checkpoint": (False, ""),
     "push_to_hub": (False, "trainbus never uploads"),
@@ -42,7 +41,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "accelerator_config": (None, "configure accelerate with `accelerate config`"),
     "parallelism_config": (None, ""),
     "dataloader_in_order": (True, ""),
-    "group_by_length": (False, "transformers 5 spells it train_sampling_strategy='group_by_length'"),
     "local_rank": (-1, "the process index comes from accelerate"),
     "evaluation_strategy": (None, "renamed eval_strategy in transformers 4.46"),
     "no_cuda": (False, "renamed use_cpu"),
@@ -229,6 +227,20 @@ def check_numbers(args: Any) -> None:
         raise ConfigError(f"dataloader_num_workers must be >= 0, got {args.dataloader_num_workers!r}")
     if args.neftune_noise_alpha is not None and args.neftune_noise_alpha <= 0:
         raise ConfigError(f"neftune_noise_alpha must be > 0 or None, got {args.neftune_noise_alpha!r}")
+
+
+def check_lr_scheduler(args: Any) -> None:
+    """A known ``lr_scheduler_type``; ``reduce_lr_on_plateau`` needs evaluations to watch (HF's ValueError
+    in TrainingArguments: without an eval_strategy the schedule would never step)."""
+    from ..optimization.schedulers import check_scheduler_name
+
+    name = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    check_scheduler_name(name)
+    if name == "reduce_lr_on_plateau" and str(getattr(args.eval_strategy, "value", args.eval_strategy)) == "no":
+        raise ConfigError(
+            "lr_scheduler_type='reduce_lr_on_plateau' requires an eval strategy: it lowers the rate when the "
+            "eval metric stops improving; set eval_strategy='steps' or 'epoch'"
+        )
 
 
 def check_output_dir(path: str) -> None:

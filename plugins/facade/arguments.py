@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainbus.engine import ConfigError
-from trainbus.engine.errors import check_positive_int, suggest
+from trainbus.engine.errors import ConfigNotImplementedError, check_positive_int, suggest
 
 from ..control.strategies import IntervalStrategy, SaveStrategy, check_strategy
-from ..data.length_grouping import check_sampling_strategy
+from ..data.length_grouping import sampling_strategy
 from ..data.loading import check_multiprocessing_context
 from ..distributed.deepspeed import deepspeed_plugin_for
 from ..distributed.fsdp import fsdp_from_accelerate_launch, fsdp_plugin_kwargs
@@ -32,6 +32,7 @@ from .argument_checks import (
     LOG_LEVELS,
     UNSUPPORTED,
     check_field_types,
+    check_lr_scheduler,
     check_numbers,
     check_output_dir,
     check_trackers,
@@ -135,6 +136,9 @@ class TrainingArguments(ProcessArguments):
     prediction_loss_only: bool = False
     eval_accumulation_steps: int | None = None
     eval_do_concat_batches: bool = True
+    # HF: gather eval outputs across processes as Python objects. In one process nothing is gathered (the
+    # results are those of False); under several, trainbus gathers tensors padded across processes either way
+    eval_use_gather_object: bool = False
     include_for_metrics: list[str] = field(default_factory=list)
     batch_eval_metrics: bool = False
     save_strategy: str = "steps"
@@ -168,6 +172,7 @@ class TrainingArguments(ProcessArguments):
     dataloader_multiprocessing_context: str | None = None
     remove_unused_columns: bool = True
     train_sampling_strategy: str = "random"
+    group_by_length: bool = False  # transformers 4.x: True means train_sampling_strategy="group_by_length"
     length_column_name: str = "length"
     label_names: list[str] | None = None
     skip_memory_metrics: bool = True
@@ -203,6 +208,7 @@ class TrainingArguments(ProcessArguments):
                 setattr(self, name, json.loads(value))
         check_numbers(self)
         self._check_steps()
+        check_lr_scheduler(self)
         self._check_best_model()
         if self.fp16 and self.bf16:
             raise ConfigError("at most one of fp16 and bf16 can be True, got both")
@@ -242,7 +248,7 @@ class TrainingArguments(ProcessArguments):
             check_liger_kernel(self.liger_kernel_config)
         elif self.liger_kernel_config is not None:
             raise ConfigError("liger_kernel_config is set but use_liger_kernel=False: set use_liger_kernel=True")
-        check_sampling_strategy(self.train_sampling_strategy)
+        self.train_sampling_strategy = sampling_strategy(self.train_sampling_strategy, self.group_by_length)
         check_multiprocessing_context(self.dataloader_multiprocessing_context, self.dataloader_num_workers)
 
     def _check_sharding(self) -> None:
@@ -346,6 +352,11 @@ def _checked_init(self: TrainingArguments, *args: Any, **kwargs: Any) -> None:
     for name in list(kwargs):
         if name in _FIELDS:
             continue
+        if name == "accelerator_config" and isinstance(kwargs[name], type):  # transformers' type for it
+            raise ConfigNotImplementedError(
+                f"accelerator_config={kwargs[name].__name__} is a class: transformers takes only a constructed "
+                "AcceleratorConfig, and trainbus none (configure accelerate with `accelerate config`)"
+            )
         if name in UNSUPPORTED:
             default, hint = UNSUPPORTED[name]
             if kwargs[name] == default:
