@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainbus.engine import ConfigError, Plugin
+from trainbus.engine import ConfigError, Event, Plugin, Priority
 from trainbus.hooks import get_labels, model_output
 
 if TYPE_CHECKING:
-    from trainbus.engine import Engine
+    from trainbus.engine import Engine, TrainEndEvent, TrainStartEvent
 
 IGNORE_INDEX = -100
 
@@ -135,6 +135,10 @@ class NEFTune(Plugin):
     output of ``model.get_input_embeddings()`` when that module is in training mode; evaluation
     and prediction see clean embeddings.
 
+    The forward hook is on the embeddings from ``attach`` and from every TRAIN_START, and is removed at
+    TRAIN_END, also when training raises (HF's ``_deactivate_neftune`` at the end of ``train()``): after
+    a run the model is left as it came, and a model saved or used after ``train()`` adds no noise.
+
     Args:
         alpha: noise scale (the NEFTune paper uses 5 to 15).
         embeddings: the embedding module; default ``model.get_input_embeddings()``.
@@ -156,16 +160,37 @@ class NEFTune(Plugin):
         self.alpha = float(alpha)
         self.embeddings = embeddings
         self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._hooked: torch.nn.Module | None = None  # the module the hook is on
 
     def attach(self, engine: Engine) -> None:
-        module = self.embeddings if self.embeddings is not None else _input_embeddings(engine.model)
-        self._hook = module.register_forward_hook(self._noise)
+        self._activate(engine)
+        self.on(engine, Event.TRAIN_START, self.train_start)
+        # last, and also when training raised (cleanup): HF removes the hook as train() ends
+        self.on(engine, Event.TRAIN_END, self.train_end, priority=Priority.LAST, cleanup=True)
 
     def detach(self, engine: Engine) -> None:
+        self._deactivate()
+        super().detach(engine)
+
+    def train_start(self, ev: TrainStartEvent) -> None:
+        self._activate(ev.engine)  # again after an earlier run's end removed it (HF activates in train())
+
+    def train_end(self, ev: TrainEndEvent) -> None:
+        self._deactivate()
+
+    def _activate(self, engine: Engine) -> None:
+        module = self.embeddings if self.embeddings is not None else _input_embeddings(engine.model)
+        if self._hook is not None and self._hooked is module:
+            return
+        self._deactivate()  # on another module: the model was replaced (model_init at train())
+        self._hook = module.register_forward_hook(self._noise)
+        self._hooked = module
+
+    def _deactivate(self) -> None:
         if self._hook is not None:
             self._hook.remove()
-            self._hook = None
-        super().detach(engine)
+        self._hook = None
+        self._hooked = None
 
     def _noise(self, module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
         if not module.training:
