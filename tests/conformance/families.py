@@ -15,7 +15,20 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import BAD, GOOD, IMPLEMENTATIONS, NOUNS, OTHER, VERBS, Run, differences, run_script, sentences
+from harness import (
+    BAD,
+    GOOD,
+    IMPLEMENTATIONS,
+    NOUNS,
+    OTHER,
+    VERBS,
+    Run,
+    compare_file,
+    differences,
+    expected_files,
+    run_script,
+    sentences,
+)
 
 #: a 2-layer BERT (hidden 32) every text family builds from its config
 BERT = "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=37,max_position_embeddings=64"
@@ -121,11 +134,18 @@ def write_segmentation_images(directory: Path, n: int, seed: int) -> list[dict[s
 
 # -- resume ---------------------------------------------------------------------------------------------
 def resume_differences(
-    main: Callable[..., dict[str, Any]], argv: Callable[[str], Sequence[str]], tmp_path: Path, step: int
-) -> tuple[list[str], dict[str, tuple[Run, Run]]]:
+    main: Callable[..., dict[str, Any]], argv: Callable[[str], Sequence[str]], tmp_path: Path, step: int,
+    transformers_resumes_exactly: bool = True,
+) -> tuple[list[str], dict[str, tuple[Run, Run]]]:  # fmt: skip
     """Each implementation runs the script whole, then again in a fresh output_dir resumed from its own
-    ``checkpoint-{step}``. Returns the differences (transformers' resumed run vs trainbus's, and trainbus's
-    resumed run vs its uninterrupted one) and the runs, ``{name: (full, resumed)}``.
+    ``checkpoint-{step}``. Returns the differences and the runs, ``{name: (full, resumed)}``.
+
+    The differences: the uninterrupted runs (transformers vs trainbus), trainbus's resumed run vs its
+    uninterrupted one (it must continue as if never interrupted), and transformers' resumed run vs
+    trainbus's with their files. Where transformers' own resume is not exact
+    (``transformers_resumes_exactly=False``: the loader draws random numbers, see
+    test_semantic_segmentation), its resumed run is no reference: only the files it wrote are required
+    (by name), and the contents of those trainbus's resumed run shares with its uninterrupted run must match.
 
     ``train_loss`` after a resume: transformers averages only the resumed call's steps (5.21+; 5.18 their
     sum over all steps), trainbus the whole run's, as if never interrupted (#23); both pinned here.
@@ -138,21 +158,47 @@ def resume_differences(
         resumed = run_script(main, [*argv(f"{name}-resumed"), "--resume_from_checkpoint", str(checkpoint)], name)
         runs[name] = full, resumed
     (hf_full, hf), (tb_full, tb) = runs["transformers"], runs["trainbus"]
-    found = []
+    found = [f"uninterrupted: {d}" for d in differences(hf_full, tb_full, files=False)]
     step_losses = [float(r["loss"]) for r in tb_full.log_history if "loss" in r]
     steps = max(int(r["step"]) for r in tb_full.log_history)
     if len(step_losses) == steps:  # logging_steps=1: train_loss is checkable against the step losses
-        assert tb.train_metrics["train_loss"] == pytest.approx(sum(step_losses) / steps, rel=1e-6)
-        resumed_part = sum(step_losses[step:])
-        assert hf.train_metrics["train_loss"] in (
+        expected = sum(step_losses) / steps
+        if tb.train_metrics["train_loss"] != pytest.approx(expected, rel=1e-6):
+            found.append(f"trainbus resumed: train_loss {tb.train_metrics['train_loss']!r}, the uninterrupted "
+                         f"run's step losses average {expected!r}")  # fmt: skip
+        resumed_part = sum(logged_losses(hf)[step:]) if transformers_resumes_exactly else None
+        if resumed_part is not None and hf.train_metrics["train_loss"] not in (
             pytest.approx(resumed_part / (steps - step), rel=1e-5),
             pytest.approx(resumed_part / steps, rel=1e-5),
-        )
-    found += [f"uninterrupted: {d}" for d in differences(hf_full, tb_full, files=False)]
-    found += [f"resumed: {d}" for d in differences(hf, tb, ignore=["train_loss"])]
+        ):
+            found.append(f"transformers resumed: train_loss {hf.train_metrics['train_loss']!r}, not the resumed "
+                         f"steps' mean {resumed_part / (steps - step)!r}")  # fmt: skip
+    if transformers_resumes_exactly:
+        found += [f"resumed: {d}" for d in differences(hf, tb, ignore=["train_loss"])]
+    else:
+        missing = sorted(expected_files(hf.files) - tb.files)
+        found += [f"resumed: files missing under trainbus: {missing}"] if missing else []
+        for name in sorted(n for n in tb_full.files & tb.files if n.endswith(CONTINUED_FILES)):
+            continued = compare_file(name, tb_full.output_dir / name, tb.output_dir / name, ("train_loss",))
+            found += [f"trainbus resumed vs uninterrupted: {d}" for d in continued]
     found += [f"trainbus resumed (as 'trainbus') vs uninterrupted (as 'transformers'): {d}"
               for d in differences(tb_full, tb, files=False)]  # fmt: skip
     return found, runs
+
+
+def listing(found: list[str], shown: int = 40) -> str:
+    """The differences for an assertion message: the first ``shown`` and how many more."""
+    more = f"\n... and {len(found) - shown} more" if len(found) > shown else ""
+    return f"{len(found)} differences:\n" + "\n".join(found[:shown]) + more
+
+
+#: the files a resumed run shares with its uninterrupted run (not the arguments, which name another
+#: output_dir, nor the manifests, which hash the files)
+CONTINUED_FILES = ("model.safetensors", "trainer_state.json", "_results.json")
+
+
+def logged_losses(run: Run) -> list[float]:
+    return [float(r["loss"]) for r in run.log_history if "loss" in r]
 
 
 # -- weights whose exact gradient is zero ------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import run_swag
-from families import BERT, resume_differences, swag_rows
+from families import BERT, listing, resume_differences, swag_rows
 from harness import (
     Run,
     assert_same,
@@ -107,4 +107,4 @@ def test_multiple_choice_resume_matches_transformers(tmp_path: Path) -> None:
     argv = argv_for(tmp_path, 0.1, save_strategy="steps", save_steps=4, save_total_limit=3)
     found, runs = resume_differences(run_swag.main, argv, tmp_path, step=4)
     check_losses_logged(runs["transformers"][1])
-    assert not found, f"{len(found)} differences:\n" + "\n".join(found)
+    assert not found, listing(found)

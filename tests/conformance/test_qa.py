@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import run_qa
-from families import BERT, qa_rows, resume_differences, softmax_invariant, without_noise
+from families import BERT, listing, qa_rows, resume_differences, softmax_invariant, without_noise
 from harness import check_losses_logged, common_argv, differences, run_both, write_json_lines, write_tokenizer
 
 #: evaluation (by the subclass) and a save every 4 steps, the best by F1 loaded at the end
@@ -61,4 +61,4 @@ def test_qa_resume_matches_transformers(tmp_path: Path) -> None:
     found, runs = resume_differences(run_qa.main, argv, tmp_path, step=9)
     found = without_noise(found, softmax_invariant(2))
     check_losses_logged(runs["transformers"][1])
-    assert not found, f"{len(found)} differences:\n" + "\n".join(found)
+    assert not found, listing(found)

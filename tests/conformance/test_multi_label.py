@@ -1,0 +1,47 @@
+"""Multi-label classification (BERT, problem_type="multi_label_classification", float multi-hot labels, BCE):
+transformers.Trainer vs trainbus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import run_multi_label
+from families import BERT, listing, multi_label_rows, resume_differences
+from harness import assert_same, check_losses_logged, common_argv, run_both, write_json_lines, write_tokenizer
+
+
+def argv_for(tmp_path: Path, dropout: float, **overrides: object):
+    rows = multi_label_rows(46, seed=11)
+    files = {
+        split: write_json_lines(tmp_path / f"{split}.json", part)
+        for split, part in (("train", rows[:30]), ("validation", rows[30:38]), ("test", rows[38:]))
+    }
+    tokenizer = write_tokenizer(tmp_path / "tokenizer", [r["text"] for r in rows])
+
+    def argv(name: str) -> list[str]:
+        return common_argv(
+            tmp_path / name, tokenizer_name=tokenizer, config_overrides=BERT, dropout=dropout,
+            cache_dir=tmp_path / f"cache-{name}", train_file=files["train"], validation_file=files["validation"],
+            test_file=files["test"], **overrides,
+        )  # fmt: skip
+
+    return argv
+
+
+def test_multi_label_matches_transformers(tmp_path: Path) -> None:
+    hf, tb = run_both(run_multi_label.main, argv_for(tmp_path, 0.1))
+    check_losses_logged(hf)
+    # the comparison has teeth: float multi-hot labels (several per row, some rows none) reached the metrics
+    labels = np.asarray(hf.label_ids)
+    assert labels.dtype.kind == "f" and labels.shape == (8, 4) and 0 < labels.sum() < labels.size
+    assert {"predict_f1", "predict_subset_accuracy", "predict_loss"} <= set(hf.predict_metrics)
+    assert_same(hf, tb)
+
+
+def test_multi_label_resume_matches_transformers(tmp_path: Path) -> None:
+    """Resumed mid-epoch from checkpoint-5 (8 steps an epoch) in a fresh output_dir."""
+    argv = argv_for(tmp_path, 0.1, save_strategy="steps", save_steps=5, save_total_limit=4)
+    found, runs = resume_differences(run_multi_label.main, argv, tmp_path, step=5)
+    check_losses_logged(runs["transformers"][1])
+    assert not found, listing(found)
