@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 from tests.dist_helpers import assert_close, free_port, launch_job, results, untimed
-from trainbus.engine import ConfigError
 
 JOBS = Path(__file__).with_name("elastic_jobs.py")
 
@@ -98,15 +97,20 @@ def test_a_restart_resumes_only_its_own_launchs_checkpoints(tmp_path: Path, monk
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-a")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     _regression_trainer(tmp_path, 4).train()  # launch a's first attempt: checkpoint-2 and checkpoint-4
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-b")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    with pytest.raises(ConfigError, match="holds checkpoints this run did not write"):
-        _regression_trainer(tmp_path, 6).train()  # another launch's restart: refused as a fresh run, not resumed
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-a")
     restarted = _regression_trainer(tmp_path, 6)
     restarted.train()  # launch a's restart goes on from checkpoint-4
     assert restarted.state.global_step == 6
     assert [entry["step"] for entry in restarted.state.log_history if "loss" in entry] == [1, 2, 3, 4, 5, 6]
+    assert not (tmp_path / "previous-runs").exists()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-b")
+    other = _regression_trainer(tmp_path, 4)
+    with pytest.warns(UserWarning, match="checkpoint-2, checkpoint-4, checkpoint-6\\): this fresh run moved them"):
+        other.train()  # another launch's restart: not resumed, a fresh run that sets launch a's checkpoints aside
+    assert [entry["step"] for entry in other.state.log_history if "loss" in entry] == [1, 2, 3, 4]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-a")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    with pytest.raises(ConfigError, match="holds checkpoints this run did not write"):
-        _regression_trainer(tmp_path, 8).train()  # a first attempt never resumes by itself
+    first = _regression_trainer(tmp_path, 2)
+    with pytest.warns(UserWarning, match="this fresh run moved them"):
+        first.train()  # a first attempt never resumes by itself
+    assert first.state.log_history[0]["step"] == 1

@@ -1,4 +1,5 @@
-"""One run per output_dir; a fresh run never destroys checkpoints it did not write (#23, items 1 and 2)."""
+"""One run per output_dir at a time (#23, item 1); a fresh run sets an earlier run's checkpoints aside and deletes
+nothing (#27 item 6: tests/test_rerun_output_dir.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import safetensors.torch as st
 import torch
 
 from tests.facade_helpers import Regressor, quiet_args, regression_data
-from trainbus.engine import ConfigError
 from trainbus.plugins import Trainer, TrainerCallback
 from trainbus.plugins.checkpoints.lock import LOCK_FILE, OutputDirInUse, OutputDirLock
 
@@ -95,11 +95,10 @@ def test_two_runs_started_together_one_trains_bit_exact_the_other_fails_naming_i
     winners = [i for i, r in enumerate(reports) if "steps" in r]
     assert len(winners) == 1, reports
     (loser,) = [r for r in reports if "error" in r]
-    # the loser failed at once, saying who holds the directory (or, had it come after the winner's
-    # first checkpoint, that the directory holds checkpoints it did not write): it wrote nothing
-    assert loser["error"] in ("OutputDirInUse", "ConfigError"), loser
-    if loser["error"] == "OutputDirInUse":
-        assert f"host {socket.gethostname()}" in loser["message"] and "pid " in loser["message"]
+    # the loser failed at once, saying who holds the directory: it wrote nothing, moved nothing aside
+    assert loser["error"] == "OutputDirInUse", loser
+    assert f"host {socket.gethostname()}" in loser["message"] and "pid " in loser["message"]
+    assert not (out / "previous-runs").exists()
     assert reports[winners[0]]["steps"] == 12
     solo = solo_trainer(tmp_path / "solo")
     solo.train()
@@ -146,32 +145,6 @@ def test_the_lock_is_released_when_training_fails(tmp_path: Path) -> None:
     assert not OutputDirLock._held and not (tmp_path / LOCK_FILE).exists()
     lock = OutputDirLock.acquire(tmp_path)  # free again
     lock.release()
-
-
-def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(tmp_path: Path) -> None:
-    solo_trainer(tmp_path).train()
-    before = file_bytes(tmp_path)
-    with pytest.raises(ConfigError) as refused:
-        solo_trainer(tmp_path).train()
-    message = str(refused.value)
-    for option in ("checkpoint-4, checkpoint-8, checkpoint-12", "resume_from_checkpoint=True", "another output_dir",
-                   "overwrite_output_dir=True"):  # fmt: skip
-        assert option in message
-    assert file_bytes(tmp_path) == before  # nothing deleted or overwritten
-    resumed = solo_trainer(tmp_path, max_steps=16)
-    assert resumed.train(resume_from_checkpoint=True).global_step == 16  # resuming is not a fresh run
-
-
-def test_overwrite_output_dir_replaces_the_old_checkpoints_when_the_run_starts(tmp_path: Path) -> None:
-    old = solo_trainer(tmp_path, max_steps=16)
-    old.train()
-    assert (tmp_path / "checkpoint-16").is_dir()
-    trainer = solo_trainer(tmp_path, overwrite_output_dir=True)
-    trainer.train()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]
-    assert trainer.train().global_step == 12  # its own checkpoints do not stop a second train()
-    with pytest.raises(ConfigError, match="did not write"):
-        solo_trainer(tmp_path).train()
 
 
 def test_the_same_process_may_take_its_own_lock_again(tmp_path: Path) -> None:

@@ -371,11 +371,13 @@ class Checkpointing(Plugin):
 
 
 def claim_run(engine: Engine, resume_from_checkpoint: Any) -> contextlib.AbstractContextManager[None]:
-    """For a Trainer's train(): its output_dir's lock held for the block, and a fresh run's directory checked.
+    """For a Trainer's train(): its output_dir's lock held for the block, and which checkpoints are this run's.
 
-    A fresh run refuses a directory holding checkpoints its Checkpointing plugin did not write, or with
-    ``args.overwrite_output_dir`` deletes them first (``lock.py``).
+    A new run (``resume_from_checkpoint`` None or False, or a checkpoint outside output_dir) that
+    writes checkpoints first moves every ``checkpoint-N`` in output_dir into
+    ``output_dir/previous-runs/<time>/``, with a warning naming it; nothing is deleted, and it then
+    trains as transformers 5 would (no ``overwrite_output_dir``), writing the same checkpoint names.
+    ``resume_from_checkpoint=True`` continues the run whose checkpoints sit directly in output_dir (a
+    killed run started again is the same run) and never sees the set-aside ones (``lock.py``).
     """
-    plugin = engine.get_plugin(Checkpointing)
-    own = plugin.written if isinstance(plugin, Checkpointing) else None
-    return claim_output_dir(engine, resume_from_checkpoint, own)
+    return claim_output_dir(engine, resume_from_checkpoint, isinstance(engine.get_plugin(Checkpointing), Checkpointing))

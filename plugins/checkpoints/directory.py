@@ -12,10 +12,20 @@ finished ``.tmp-PID`` to ``checkpoint-N``, then deletes ``.old-PID``. A crash be
 leaves no ``checkpoint-N`` but two complete copies; ``tidy`` (run before every rotation and when a
 run starts or resumes) puts the newer intact one back as ``checkpoint-N`` instead of deleting both
 as stale (it used to). Leftovers of processes still alive are never touched.
+
+``previous-runs/<time>/checkpoint-N``: the checkpoints of an earlier run, set aside (``set_aside``)
+when a fresh run started in the directory; ``<time>`` is when that run wrote its newest checkpoint
+(UTC). Only the ``checkpoint-N`` entries directly in ``output_dir`` are a run's checkpoints:
+rotation, ``latest_checkpoint`` and a resume never look into ``previous-runs``. The move is a
+rename per checkpoint, journaled (``previous-runs/<time>/.moving.json`` lists each entry's inode and mtime):
+a run killed in the middle leaves the journal, and the next start finishes the move
+(``finish_set_aside``) before it reads or writes any checkpoint.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import os
 import re
@@ -29,6 +39,8 @@ from .safety import DamagedCheckpoint
 logger = logging.getLogger("trainbus.checkpoint")
 
 PREFIX = "checkpoint-"
+PREVIOUS_RUNS = "previous-runs"
+JOURNAL = ".moving.json"
 NAME = re.compile(r"^checkpoint-(\d+)$")
 LEFTOVER = re.compile(r"^checkpoint-(\d+)\.(tmp|old|del)-(\d+)$")
 
@@ -36,12 +48,16 @@ __all__ = [
     "LEFTOVER",
     "NAME",
     "PREFIX",
+    "PREVIOUS_RUNS",
     "checkpoint_dirs",
     "delete_checkpoint",
+    "finish_set_aside",
     "latest_checkpoint",
     "list_checkpoints",
     "pid_alive",
+    "previous_runs",
     "publish_directory",
+    "set_aside",
     "tidy",
 ]
 
@@ -151,3 +167,76 @@ def tidy(root: Path) -> list[Path]:
         for _, path in leftovers:
             _remove(path)
     return restored
+
+
+# -- an earlier run's checkpoints, set aside ------------------------------------------------------
+def _identity(path: Path) -> list[int]:
+    found = os.stat(path, follow_symlinks=False)
+    # a rename keeps all three; a checkpoint written since differs in one (a reused inode in its mtime)
+    return [found.st_dev, found.st_ino, found.st_mtime_ns]
+
+
+def set_aside(output_dir: str | Path) -> Path | None:
+    """Move every ``checkpoint-N`` of ``output_dir`` into ``output_dir/previous-runs/<time>/``; returns that
+    folder (None when there was none). Nothing is deleted or copied: one rename per checkpoint.
+
+    ``<time>`` is when the newest of them was written (UTC, ``2025-01-31T09-30-00Z``; ``-2``, ... when
+    taken). Leftovers of interrupted saves are tidied first (``tidy``), so a put-back copy moves too.
+    Call it holding the output_dir's lock, on the process that writes checkpoints.
+    """
+    root = Path(output_dir)
+    finish_set_aside(root)
+    tidy(root)
+    found = [path for _, path in checkpoint_dirs(root)]
+    if not found:
+        return None
+    newest = max(os.stat(path, follow_symlinks=False).st_mtime for path in found)
+    stamp = datetime.datetime.fromtimestamp(newest, datetime.UTC).strftime("%Y-%m-%dT%H-%M-%SZ")
+    folder = root / PREVIOUS_RUNS / stamp
+    folder.parent.mkdir(exist_ok=True)
+    for n in range(2, 10_000):
+        try:
+            folder.mkdir()
+            break
+        except FileExistsError:
+            folder = root / PREVIOUS_RUNS / f"{stamp}-{n}"
+    journal = folder / JOURNAL
+    journal.write_text(json.dumps({path.name: _identity(path) for path in found}), encoding="utf-8")
+    cio.fsync_path(journal)
+    cio.fsync_path(folder)
+    _move_listed(root, folder, journal)
+    return folder
+
+
+def finish_set_aside(output_dir: str | Path) -> list[Path]:
+    """Finish the moves a killed run left half done (a journal still there); returns their folders."""
+    finished = []
+    for journal in sorted(Path(output_dir).glob(f"{PREVIOUS_RUNS}/*/{JOURNAL}")):
+        _move_listed(Path(output_dir), journal.parent, journal)
+        logger.warning("finished setting aside an earlier run's checkpoints into %s (a move was interrupted)",
+                       journal.parent)  # fmt: skip
+        finished.append(journal.parent)
+    return finished
+
+
+def _move_listed(root: Path, folder: Path, journal: Path) -> None:
+    """Move the journal's entries still in ``root`` (the same inode: not a checkpoint written since) to ``folder``."""
+    try:
+        listed = json.loads(journal.read_text(encoding="utf-8"))
+    except ValueError:
+        listed = {}  # torn as it was written: nothing was moved yet
+    for name, identity in listed.items():
+        path = root / name
+        if NAME.match(name) and (path.exists() or path.is_symlink()) and _identity(path) == identity:
+            os.replace(path, folder / name)
+    cio.fsync_path(folder)
+    cio.fsync_path(root)
+    journal.unlink()
+    if not any(folder.iterdir()):
+        folder.rmdir()  # a journal torn as it was written: nothing had moved
+
+
+def previous_runs(output_dir: str | Path) -> list[Path]:
+    """The folders of earlier runs' checkpoints set aside in ``output_dir``, oldest first."""
+    parent = Path(output_dir) / PREVIOUS_RUNS
+    return sorted(path for path in parent.iterdir() if path.is_dir()) if parent.is_dir() else []

@@ -1,4 +1,4 @@
-"""One run per output_dir, and a fresh run never destroys checkpoints it did not write.
+"""One run per output_dir at a time; a new run sets an earlier run's checkpoints aside, never deletes them.
 
 Two runs in one output_dir overwrite and rotate away each other's checkpoints, and a resume of either
 then loads the other's weights without a word. So a run holds an OS lock on ``output_dir/.trainbus.lock``
@@ -10,12 +10,27 @@ rank 0 takes it (only rank 0 writes checkpoints); every rank learns the outcome,
 together. A process may take the lock it holds again (the Trainer holds it around ``fit()``, and the
 Checkpointing plugin takes it at TRAIN_START for runs without the Trainer).
 
-A fresh run (not resuming) in an output_dir that holds ``checkpoint-*`` directories it did not write
-refuses to start (``check_fresh_run``): its saves would overwrite the old run's checkpoint of the
-same step and its rotation would delete the others. ``overwrite_output_dir=True`` is the one way to
-replace them: the old checkpoints are deleted when the run starts, so nothing of the old run can
-later be taken for this run's (a resume, the best model, rotation). Checkpoints this Trainer wrote
-in an earlier ``train()`` (an ``auto_find_batch_size`` retry, a second ``train()``) are its own.
+Which checkpoints are a run's (the lineage rule). The ``checkpoint-N`` entries directly in
+output_dir are the checkpoints of one run: the one that last started there fresh, and every resume
+of it (a run killed and started again with ``resume_from_checkpoint=True`` is the same run). So:
+
+- a fresh ``train()`` (``resume_from_checkpoint`` None or False), or a resume from a checkpoint
+  outside output_dir (a branch from elsewhere), starts a new run. As under transformers 5 (which
+  has no ``overwrite_output_dir``) it trains whatever output_dir holds, with the same numbers and
+  the same checkpoint names; but first every ``checkpoint-N`` there (this Trainer's own from an
+  earlier ``train()`` too) is moved into ``output_dir/previous-runs/<time>/`` (``start_fresh``,
+  ``directory.set_aside``), with a warning naming that folder. Nothing is deleted;
+  ``overwrite_output_dir`` changes nothing (HF's Trainer never read it);
+- ``resume_from_checkpoint=True`` takes the newest intact ``checkpoint-N`` directly in output_dir;
+  it never looks into ``previous-runs``, so it never resumes a run that a fresh run replaced, nor
+  do rotation and ``latest_checkpoint`` see those. A set-aside checkpoint is resumed only by its
+  path (``resume_from_checkpoint="out/previous-runs/.../checkpoint-8"``), which starts a new run;
+- a checkpoint that does not fit the run (another model, optimizer or number of processes) is
+  refused when it is applied, naming the difference (``reading.apply_checkpoint``).
+
+A Trainer always has its Checkpointing plugin (``save_strategy="no"`` still saves when a callback
+or a signal asks), so every fresh ``train()`` sets the earlier run aside; an engine without one
+only takes the lock.
 """
 
 from __future__ import annotations
@@ -29,14 +44,15 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 from trainbus.engine import ConfigError, Engine
 
 from ..distributed.processes import broadcast_from_main, rank
-from .directory import checkpoint_dirs, delete_checkpoint, tidy
+from .directory import finish_set_aside, set_aside
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -46,10 +62,11 @@ __all__ = [
     "LOCK_FILE",
     "OutputDirInUse",
     "OutputDirLock",
-    "check_fresh_run",
     "claim_output_dir",
     "hold_output_dir",
     "lock_on_main",
+    "starts_a_run",
+    "start_fresh",
 ]
 
 
@@ -182,39 +199,47 @@ def hold_output_dir(output_dir: str | Path) -> Iterator[None]:
             lock.release()
 
 
-def check_fresh_run(output_dir: str | Path, own: Sequence[str | Path] = (), *, overwrite: bool = False) -> None:
-    """Refuse a fresh run in a directory holding checkpoints it did not write; with ``overwrite`` delete them.
+def start_fresh(output_dir: str | Path) -> Path | None:
+    """Set the checkpoints in ``output_dir`` aside for a new run (``directory.set_aside``), warning where.
 
-    Call it holding the lock, on the process that writes checkpoints. Leftovers of an interrupted
-    re-save are put back first (``directory.tidy``), so they count too.
+    Call it holding the lock, on the process that writes checkpoints. Returns the folder they went to.
     """
-    root = Path(output_dir)
-    tidy(root)
-    mine = {os.path.realpath(path) for path in own}
-    foreign = [path for _, path in checkpoint_dirs(root) if os.path.realpath(path) not in mine]
-    if not foreign:
-        return
-    names = ", ".join(path.name for path in foreign)
-    if not overwrite:
+    try:
+        folder = set_aside(output_dir)
+    except OSError as exc:
         raise ConfigError(
-            f"output_dir {root} holds checkpoints this run did not write ({names}); a fresh run would overwrite "
-            "or rotate them away. Resume that run with train(resume_from_checkpoint=True), give this run another "
-            "output_dir, or pass overwrite_output_dir=True to delete them and start over"
+            f"output_dir {output_dir} holds an earlier run's checkpoints, and moving them aside for this fresh run "
+            f"failed ({type(exc).__name__}: {exc}); nothing was deleted. Resume that run with "
+            "train(resume_from_checkpoint=True), or give this run another output_dir"
+        ) from exc
+    if folder is not None:
+        names = ", ".join(sorted((p.name for p in folder.iterdir()), key=lambda name: (len(name), name)))
+        message = (
+            f"output_dir {output_dir} held checkpoints of an earlier run ({names}): this fresh run moved them "
+            f"to {folder}, where rotation and resume_from_checkpoint=True never look (resume one by its path)"
         )
-    for path in foreign:
-        try:
-            delete_checkpoint(path)
-        except OSError as exc:
-            raise ConfigError(f"overwrite_output_dir=True: cannot delete the old checkpoint {path}: {exc}") from exc
-        logger.warning("overwrite_output_dir=True: deleted %s, a checkpoint of an earlier run", path)
+        logger.warning(message)
+        warnings.warn(message, stacklevel=4)
+    return folder
+
+
+def starts_a_run(resume_from_checkpoint: Any, output_dir: str | Path) -> bool:
+    """Whether ``train(resume_from_checkpoint=...)`` starts a new run in ``output_dir`` (the lineage rule above):
+    a fresh one, or a resume from a checkpoint that is not directly in output_dir."""
+    if not resume_from_checkpoint:
+        return True
+    if resume_from_checkpoint is True or not isinstance(resume_from_checkpoint, str | os.PathLike):
+        return False  # True (the newest here), or a bad value its resume will name
+    parent = os.path.dirname(os.path.abspath(resume_from_checkpoint))
+    return os.path.realpath(parent) != os.path.realpath(output_dir)
 
 
 @contextlib.contextmanager
-def claim_output_dir(engine: Engine, resume_from_checkpoint: Any, own: Sequence[str | Path] | None) -> Iterator[None]:
-    """For a Trainer's ``train()``: hold its output_dir's lock, and check a fresh run's directory.
+def claim_output_dir(engine: Engine, resume_from_checkpoint: Any, writes_checkpoints: bool) -> Iterator[None]:
+    """For a Trainer's ``train()``: hold its output_dir's lock and, for a new run that writes checkpoints,
+    set the earlier run's aside (``start_fresh``); a move a killed run left half done is finished first.
 
-    Reads ``engine.args.output_dir`` and ``overwrite_output_dir``; ``own`` lists the checkpoints the
-    run's Checkpointing plugin wrote (None: the run has none and writes no checkpoint, so only the lock).
+    Reads ``engine.args.output_dir``. Rank 0 moves; every rank raises if it failed.
     """
     args = getattr(engine, "args", None)
     output_dir = getattr(args, "output_dir", None)
@@ -222,12 +247,14 @@ def claim_output_dir(engine: Engine, resume_from_checkpoint: Any, own: Sequence[
         yield
         return
     with hold_output_dir(output_dir):
-        if not resume_from_checkpoint and own is not None:
+        if writes_checkpoints:
             error = None
             if rank() == 0:
                 try:
-                    check_fresh_run(output_dir, own, overwrite=bool(getattr(args, "overwrite_output_dir", False)))
-                except ConfigError as exc:
+                    finish_set_aside(output_dir)
+                    if starts_a_run(resume_from_checkpoint, output_dir):
+                        start_fresh(output_dir)
+                except (ConfigError, OSError) as exc:
                     error = str(exc)
             error = broadcast_from_main(error)
             if error is not None:

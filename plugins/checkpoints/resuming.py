@@ -26,7 +26,7 @@ from trainbus.engine.events import EpochStartEvent, Payload
 from ..distributed.processes import broadcast_from_main, rank
 from . import io as cio
 from . import verified
-from .directory import checkpoint_dirs, latest_checkpoint, tidy
+from .directory import PREVIOUS_RUNS, checkpoint_dirs, finish_set_aside, latest_checkpoint, previous_runs, tidy
 from .reading import Loaded, apply_checkpoint, load_checkpoint, read_checkpoint, rng_file_stems
 from .safety import DamagedCheckpoint, damaged, real_directory
 from .sharded import SHARDED
@@ -53,19 +53,22 @@ __all__ = [
 def choose_and_read(checkpoint: str | Path | bool, output_dir: str | Path | None) -> Loaded:
     """The checkpoint ``resume_from_checkpoint`` names, read and checked whole (rank 0 runs it).
 
-    True: the newest that reads; each damaged newer one is skipped with a warning naming the file.
+    True: the newest that reads among the ``checkpoint-N`` directly in ``output_dir`` (the run's own:
+    an earlier run's, set aside in ``previous-runs`` by a fresh run, are never taken; ``lock.py``);
+    each damaged newer one is skipped with a warning naming the file.
     """
     if checkpoint is True:
         if output_dir is None:
             raise ConfigError("resume_from_checkpoint=True needs an output_dir to search (or a Checkpointing plugin)")
         root = Path(output_dir)
+        finish_set_aside(root)  # a fresh run killed while it set an earlier run aside: that run stays aside
         tidy(root)  # an interrupted re-save's copies: one is put back, not lost
-        found = checkpoint_dirs(root)
+        found = checkpoint_dirs(root)  # this run's: never an earlier run's set aside in previous-runs
         if not found:
             seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
             raise ConfigError(
                 f"resume_from_checkpoint=True: no complete checkpoint (checkpoint-N with a valid {cio.MANIFEST}) "
-                f"in {root}; found: {seen or 'nothing'}"
+                f"in {root}; found: {seen or 'nothing'}{_set_aside_hint(root)}"
             )
         for _, path in reversed(found):
             try:
@@ -85,6 +88,17 @@ def choose_and_read(checkpoint: str | Path | bool, output_dir: str | Path | None
             f"checkpoint to resume from; found: {sorted(p.name for p in root.iterdir())}"
         )
     return read_checkpoint(_explicit(checkpoint), verify=True)
+
+
+def _set_aside_hint(root: Path) -> str:
+    folders = previous_runs(root)
+    if not folders:
+        return ""
+    return (
+        f". Earlier runs' checkpoints, set aside when a fresh run started here, are in {root / PREVIOUS_RUNS} "
+        f"({', '.join(f.name for f in folders)}): they belong to another run, so True never resumes them; "
+        "pass one's path to resume it"
+    )
 
 
 def _explicit(checkpoint: Any) -> Path:
@@ -212,11 +226,12 @@ def resume_after_restart(checkpoint: str | Path | bool | None, output_dir: str |
     newest checkpoint in ``output_dir``; else ``checkpoint`` as given.
 
     Under ``torchrun --max-restarts N`` a failed worker group is started again with the same command:
-    without this each restart would be a fresh run refused by the checkpoints its first attempt wrote
-    (``lock.check_fresh_run``). Only an unset ``resume_from_checkpoint`` (None) is decided here, only
-    from the second attempt on (``TORCHELASTIC_RESTART_COUNT`` > 0), and only when the newest
-    checkpoint's manifest names this launch (``io.torchelastic_run``): another run's checkpoints
-    are still refused, never resumed. Rank 0 decides for every rank.
+    without this each restart would be a fresh run, setting aside the checkpoints its first attempt
+    wrote and starting over (``lock.start_fresh``). Only an unset ``resume_from_checkpoint`` (None)
+    is decided here, only from the second attempt on (``TORCHELASTIC_RESTART_COUNT`` > 0), and only
+    when the newest checkpoint's manifest names this launch (``io.torchelastic_run``): another
+    launch's checkpoints are never resumed (that restart is a fresh run, which sets them aside:
+    ``lock.py``). Rank 0 decides for every rank.
     """
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if checkpoint is not None or output_dir is None or not restarts.isdigit() or int(restarts) == 0:
