@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, Union
 
 from trainbus.engine import ConfigError
-from trainbus.engine.errors import check_positive_int
+from trainbus.engine.errors import ConfigTypeError, check_positive_int
 
 #: HF fields trainbus does not implement, with HF's default: passing the default is accepted
 #: (it changes nothing), any other value raises. A hint names the trainbus way when there is one.
@@ -100,6 +100,9 @@ INFINITY_ALLOWED = frozenset({"max_grad_norm"})
 def check_field_types(args: Any) -> None:
     """Raise ConfigError for the first field whose value does not fit its annotation (or ``ACCEPTED``).
 
+    A value of the wrong type is a ``ConfigTypeError`` (also a ``TypeError``, what transformers raises where
+    it checks a type, e.g. ``optim_target_modules``); a number out of range stays a ``ValueError``.
+
     Numbers: an int fits a float field, a bool fits no number field, and float fields must be finite
     (NaN never, infinity only where ``INFINITY_ALLOWED``) so ``learning_rate=inf`` fails here.
     """
@@ -107,7 +110,7 @@ def check_field_types(args: Any) -> None:
         value = getattr(args, name)
         if not _fits(value, expected):
             allowed = ALLOWED_WORDS.get(name) or _describe(expected)
-            raise ConfigError(f"TrainingArguments: {name} must be {allowed}, got {_show(value)}")
+            raise ConfigTypeError(f"TrainingArguments: {name} must be {allowed}, got {_show(value)}")
         if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and name not in INFINITY_ALLOWED)):
             raise ConfigError(f"TrainingArguments: {name} must be a finite number, got {value!r}")
 
