@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import doctest
+import logging
 import math
 from collections import Counter
 from pathlib import Path
@@ -677,6 +678,7 @@ def test_swa_state_round_trips_through_json_and_tensors() -> None:
 
 
 def test_swa_that_never_started_leaves_the_model(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="trainbus")  # whatever level another test left it at
     swa = SWA(0.03, start_epoch=9)
     engine, lrs = swa_engine(swa, epochs=2)
     engine.fit()

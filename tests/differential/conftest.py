@@ -12,8 +12,9 @@ def _quiet_transformers():
     """transformers warns about tiny things (no config, no tokenizer) on every run: keep the output readable."""
     import transformers
 
-    level = transformers.logging.get_verbosity()
+    level, ours = transformers.logging.get_verbosity(), logging.getLogger("trainbus").level
     transformers.logging.set_verbosity_error()
     logging.getLogger("trainbus").setLevel(logging.ERROR)
     yield
     transformers.logging.set_verbosity(level)
+    logging.getLogger("trainbus").setLevel(ours)  # a later test's caplog must see trainbus's warnings
