@@ -8,7 +8,6 @@ so that metrics move between evaluations (a best checkpoint is then a real choic
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -199,23 +198,3 @@ CONTINUED_FILES = ("model.safetensors", "trainer_state.json", "_results.json")
 
 def logged_losses(run: Run) -> list[float]:
     return [float(r["loss"]) for r in run.log_history if "loss" in r]
-
-
-# -- weights whose exact gradient is zero ------------------------------------------------------------------
-def softmax_invariant(model_type_layers: int) -> tuple[str, ...]:
-    """The weights of a span-extraction head whose exact gradient is 0: ``qa_outputs.bias`` and the last
-    layer's output LayerNorm bias add the same amount to every position's logit, and the loss is a
-    softmax over positions. Only rounding noise reaches them, which Adam turns into steps of about the
-    learning rate of any sign: two correct runs disagree there (the harness's attention-key-bias
-    rule, for the QA head)."""
-    return ("qa_outputs.bias]", f"encoder.layer.{model_type_layers - 1}.output.LayerNorm.bias]")
-
-
-def without_noise(found: list[str], tensors: tuple[str, ...]) -> list[str]:
-    """``found`` less the weight comparisons of ``tensors`` (names ending ``...]`` in the harness's lines)."""
-    kept = []
-    for line in found:
-        tensor = re.search(r"\.safetensors\[([^\]]+\])", line)
-        if tensor is None or not tensor.group(1).endswith(tensors):
-            kept.append(line)
-    return kept

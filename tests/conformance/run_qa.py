@@ -23,6 +23,7 @@ from transformers import (
     AutoModelForQuestionAnswering,
     AutoTokenizer,
     DataCollatorWithPadding,
+    EarlyStoppingCallback,
     EvalPrediction,
     HfArgumentParser,
     default_data_collator,
@@ -49,6 +50,8 @@ class DataTrainingArguments:
     pad_to_max_length: bool = field(default=False)
     n_best_size: int = field(default=5)
     max_answer_length: int = field(default=6)
+    early_stopping_patience: int | None = field(default=None, metadata={"help": "Evaluations without a better "
+                                                "metric_for_best_model before training stops"})  # fmt: skip
 
 
 def main(argv: list[str] | None = None, trainer_module: str = "transformers") -> dict[str, Any]:
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None, trainer_module: str = "transformers") ->
         data_collator=data_collator,
         post_process_function=post_processing_function,
         compute_metrics=compute_metrics,
+        callbacks=[EarlyStoppingCallback(patience)] if (patience := data_args.early_stopping_patience) else None,
     )
     results: dict[str, Any] = {"trainer": trainer}
     if training_args.do_train:
