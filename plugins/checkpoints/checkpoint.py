@@ -2,9 +2,10 @@
 
 A checkpoint is a directory ``output_dir/checkpoint-{global_step}`` holding, with no pickle:
 
-- ``model.safetensors``: the model's weights (tied weights once); of a model with frozen parameters
-  (a peft / LoRA base) only what trains and the buffers, with the base's fingerprint in the manifest
-  (``frozen.py``), checked when the checkpoint is loaded;
+- ``model.safetensors``: the model's weights (tied weights once, under transformers' name: ``weights.py``),
+  frozen ones included; of an adapter (peft) model only what trains and the buffers, with the frozen
+  base's fingerprint in the manifest (``frozen.py``), checked when the checkpoint is loaded, next to
+  peft's own folder files;
 - ``optimizer.json`` + ``optimizer.safetensors``: ``optimizer.state_dict()``;
 - ``plugins.json`` + ``plugins.safetensors``: every plugin's ``state_dict()`` (scheduler,
   scaler, early stopping, ...), keyed by plugin name;
@@ -25,7 +26,8 @@ import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +51,7 @@ from ..distributed.processes import barrier, gather_to_main, rank
 from . import io as cio
 from .directory import PREFIX, latest_checkpoint, list_checkpoints, publish_directory
 from .final_model import save_model
-from .frozen import base_fingerprint, trainable_state_dict
+from .frozen import BASE_MODEL_FILES, adapter_model, checkpoint_fingerprint, trainable_state_dict, write_adapter_folder
 from .history import write_trainer_state
 from .io import load_model_weights
 from .load_best import LoadBestModelAtEnd
@@ -132,7 +134,7 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        frozen_base = base_fingerprint(engine.model)
+        frozen_base = checkpoint_fingerprint(engine.model)
         files = _write_model(engine, tmp, frozen_base, model_folder)
         if not model_only:
             files |= _write_training_state(engine, tmp, rng_states)
@@ -157,15 +159,18 @@ def save_checkpoint(
 def _write_model(
     engine: Engine, tmp: Path, frozen_base: Any, model_folder: Callable[[Path], None] | None
 ) -> dict[str, dict[str, Any]]:
-    """The weights (of a frozen base only what trains) and the model folder's files; their manifest entries."""
+    """The weights (of an adapter model only what trains) and the model folder's files; their manifest entries."""
     weights = tmp / "model.safetensors"
     if frozen_base is None:
         written = cio.save_weights(engine.model, weights)
-    else:  # a frozen base: only what trains, the base known by its fingerprint
+    else:  # an adapter model: only what trains, the base known by its fingerprint
         written = cio.write_tensors(weights, trainable_state_dict(engine.model))
     files = {weights.name: written}  # file name -> manifest entry: size, and the hash taken as it was written
+    adapter = adapter_model(engine.model)
+    if adapter is not None:  # peft's own folder, as transformers' checkpoint of it (frozen.py)
+        files |= _write_listed(tmp, partial(write_adapter_folder, adapter))
     if model_folder is not None:
-        files |= _write_listed(tmp, model_folder)
+        files |= _write_listed(tmp, model_folder, refused=BASE_MODEL_FILES if adapter is not None else ())
     return files
 
 
@@ -180,11 +185,19 @@ def _write_training_state(engine: Engine, tmp: Path, rng_states: Sequence[dict[s
     return files
 
 
-def _write_listed(directory: Path, write: Callable[[Path], None]) -> dict[str, dict[str, Any]]:
-    """Run ``write(directory)`` and return the manifest entries of the plain files it added."""
+def _write_listed(
+    directory: Path, write: Callable[[Path], None], refused: Collection[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """Run ``write(directory)`` and return the manifest entries of the plain files it added.
+
+    A ``refused`` file it added is removed (a base model's config.json in an adapter checkpoint).
+    """
     before = set(os.listdir(directory))
     write(directory)
     added = sorted(set(os.listdir(directory)) - before)
+    for name in [n for n in added if n in refused]:
+        (directory / name).unlink()
+        added.remove(name)
     return {name: cio.file_entry(directory / name) for name in added if (directory / name).is_file()}
 
 

@@ -1,10 +1,20 @@
-"""What a checkpoint of a partly frozen model holds: the weights that train, and a fingerprint of the rest.
+"""What a checkpoint of an adapter model holds: the weights that train, a fingerprint of the frozen base, peft's folder.
 
-A model with frozen parameters (a peft / LoRA model's base, a frozen encoder) changes only where
-``requires_grad`` is set. Its checkpoints store the trainable parameters and every buffer, plus a
+An adapter model (a peft / LoRA model, or a transformers model with a peft adapter loaded) changes
+only its adapters. Its checkpoints store the trainable parameters and every buffer, plus a
 fingerprint (sha256 over the names, dtypes, shapes and bytes of the frozen parameters), so a
 checkpoint of a large base is as small as its adapter and its optimizer state, and a resume onto
-another base fails before training instead of silently mixing weights.
+another base fails before training instead of silently mixing weights. Any other model with frozen
+parameters (wav2vec2 with its feature encoder frozen) is saved whole, as transformers saves it:
+its checkpoint is a model folder ``from_pretrained`` loads with no missing key.
+
+Next to them an adapter checkpoint is the folder transformers' Trainer writes with the model's own
+``save_pretrained``: ``adapter_config.json``, ``adapter_model.safetensors`` and peft's ``README.md``
+(each adapter not named ``default`` in a folder of its name, which the manifest, naming plain files
+only, does not list), loaded by ``PeftModel.from_pretrained(base, checkpoint)``; and no
+``config.json``, with which ``AutoModel...from_pretrained(checkpoint)`` would build the base model
+and find none of its weights (random weights, only a load report saying so). The resume reads
+``model.safetensors``, by the model's own names.
 
 The fingerprint is computed once per run and cached per model while the frozen tensors are
 unchanged (their storage and torch's version counter), so saving costs no pass over the base.
@@ -13,13 +23,18 @@ unchanged (their storage and torch's version counter), so saving costs no pass o
 from __future__ import annotations
 
 import hashlib
+import inspect
+import sys
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainbus.engine import ConfigError
 
+#: files of a full model folder that an adapter checkpoint must not hold (they would load a random base)
+BASE_MODEL_FILES = frozenset({"config.json", "generation_config.json"})
 _CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, dict[str, Any]]] = weakref.WeakKeyDictionary()
 
 
@@ -30,6 +45,42 @@ def frozen_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if len(frozen) == len(named):
         return {}  # nothing trains (an evaluation-only save): keep whole-model checkpoints
     return frozen
+
+
+def adapter_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The peft model under DDP / compile wrappers (or a transformers model with a peft adapter loaded), else None.
+
+    These are the models transformers' Trainer saves adapter-only (``save_pretrained`` writes the
+    adapters); peft is not imported for a model that cannot be one of its.
+    """
+    for _ in range(8):  # through DDP's .module and torch.compile's ._orig_mod
+        inner = getattr(model, "module", None)
+        inner = inner if isinstance(inner, torch.nn.Module) else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
+    peft = sys.modules.get("peft")
+    kinds = tuple(k for k in (getattr(peft, "PeftModel", None), getattr(peft, "PeftMixedModel", None)) if k)
+    if (kinds and isinstance(model, kinds)) or getattr(model, "_hf_peft_config_loaded", False) is True:
+        return model
+    return None
+
+
+def write_adapter_folder(model: torch.nn.Module, directory: Path) -> None:
+    """The adapter model's own ``save_pretrained`` into ``directory`` (peft's folder), as safetensors."""
+    save = getattr(model, "save_pretrained", None)
+    if not callable(save):
+        raise ConfigError(f"{type(model).__name__} has no save_pretrained: an adapter checkpoint cannot be written")
+    kwargs: dict[str, Any] = {}
+    if "safe_serialization" in inspect.signature(save).parameters:
+        kwargs["safe_serialization"] = True  # no pickle (peft's default too)
+    save(str(directory), **kwargs)
+
+
+def checkpoint_fingerprint(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The frozen base's fingerprint when a checkpoint of ``model`` stores only what trains (an adapter model
+    with frozen parameters), else None: the checkpoint holds every weight."""
+    return base_fingerprint(model) if adapter_model(model) is not None else None
 
 
 def base_fingerprint(model: torch.nn.Module) -> dict[str, Any] | None:
@@ -85,4 +136,14 @@ def check_base(model: torch.nn.Module, recorded: dict[str, Any] | None, where: s
     return frozen_state_keys(model)
 
 
-__all__ = ["base_fingerprint", "check_base", "frozen_parameters", "frozen_state_keys", "trainable_state_dict"]
+__all__ = [
+    "BASE_MODEL_FILES",
+    "adapter_model",
+    "base_fingerprint",
+    "check_base",
+    "checkpoint_fingerprint",
+    "frozen_parameters",
+    "frozen_state_keys",
+    "trainable_state_dict",
+    "write_adapter_folder",
+]

@@ -44,6 +44,7 @@ from .rng import rng_state as rng_state  # re-exported: a checkpoint's RNG state
 from .rng import set_rng_state as set_rng_state
 from .safety import MAX_JSON_BYTES, DamagedCheckpoint, damaged, parse_bounded_json, plain_name
 from .weights import load_weights as load_weights  # re-exported: fitting a saved state into a model (weights.py)
+from .weights import state_to_save
 
 MANIFEST = "manifest.json"
 FORMAT = "trainbus-checkpoint"
@@ -360,9 +361,9 @@ def torchelastic_run() -> str | None:
 
 # -- model weights --------------------------------------------------------------------------------
 def save_weights(model: torch.nn.Module, path: Path) -> dict[str, Any]:
-    """Write the model's state dict to safetensors (tied weights once, as HF does); returns its manifest entry."""
-    st.save_model(model, str(path), metadata={"format": "pt"}, force_contiguous=True)  # see write_tensors
-    return _written(path)
+    """Write the model's state dict to safetensors (tied weights once, under the name transformers keeps:
+    ``weights.state_to_save``); returns its manifest entry."""
+    return write_tensors(path, state_to_save(model))
 
 
 def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:

@@ -1,17 +1,69 @@
-"""Fitting a saved state into a model: ``load_weights`` checks names, ties and shapes before it copies.
+"""A model's weights in a checkpoint: under which names they are saved, and how a saved state is fitted back.
 
-Keys left out only because they are tied to a loaded one are fine, as are keys a checkpoint leaves
-out on purpose (``may_lack``: a verified frozen base's parameters); anything else that does not fit
-is refused before a tensor is copied. ``io.py`` re-exports it.
+``state_to_save``: of the names sharing one tensor (tied weights: GPT-2's ``lm_head.weight`` and
+``transformer.wte.weight``, T5's ``shared.weight`` and its encoder / decoder / head copies) the one
+transformers keeps, so ``from_pretrained`` finds it. safetensors stores a tensor once, and its own
+rule keeps the first name in sorted order (``lm_head.weight``, ``decoder.embed_tokens.weight``);
+transformers drops the names its models declare as tied targets (``_tied_weights_keys``, on any
+submodule) and keeps the source, and the ``from_pretrained`` of transformers 4.57 loads only the
+source: a GPT-2 checkpoint holding ``lm_head.weight`` loaded with its embedding left on the meta
+device. Here the declared targets are dropped as transformers does (a pattern searched in the name,
+prefixed with its submodule's path); of several undeclared names the sorted first is kept, as
+safetensors would.
+
+``load_weights`` checks names, ties and shapes before it copies. Keys left out only because they
+are tied to a loaded one are fine (a checkpoint may hold either name of a tied pair), as are keys a
+checkpoint leaves out on purpose (``may_lack``: a verified frozen base's parameters); anything else
+that does not fit is refused before a tensor is copied. ``io.py`` re-exports it.
 """
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from trainbus.engine import ConfigError
+
+
+def tied_target_patterns(model: torch.nn.Module) -> list[str]:
+    """Every tied target the model's submodules declare, as a pattern searched in a full name.
+
+    transformers 5 declares ``_tied_weights_keys = {target: source}``, 4.x a list of targets (and
+    ``_dynamic_tied_weights_keys`` set at run time); both are regular expressions.
+    """
+    patterns: list[str] = []
+    for path, module in model.named_modules():
+        for attribute in ("_tied_weights_keys", "_dynamic_tied_weights_keys"):  # the latter: 4.x's encoder-decoder ties
+            declared = getattr(module, attribute, None) or ()
+            for key in declared.keys() if isinstance(declared, dict) else declared:
+                if isinstance(key, str):
+                    patterns.append(f"{re.escape(path)}\\.{key}" if path else key)
+    return patterns
+
+
+def state_to_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with one name per tied tensor, the one transformers keeps (see the module doc)."""
+    state = model.state_dict()
+    aliases: defaultdict[tuple[object, ...], list[str]] = defaultdict(list)
+    for name, tensor in state.items():
+        if tensor.data_ptr() != 0:  # an empty or meta tensor shares nothing
+            key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+            aliases[key].append(name)
+    groups = [sorted(names) for names in aliases.values() if len(names) > 1]
+    if not groups:
+        return state
+    patterns = tied_target_patterns(model)
+    for names in groups:
+        targets = [n for n in names if any(re.search(p, n) for p in patterns)]
+        # all of them declared targets: transformers keeps the last in sorted order
+        keep = next((n for n in names if n not in targets), names[-1])
+        for name in names:
+            if name != keep:
+                del state[name]
+    return state
 
 
 def load_weights(

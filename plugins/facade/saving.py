@@ -4,6 +4,9 @@ The save-model protocol: a plugin may offer ``weights_to_save(engine) -> context
 ``save_model`` enters every context offered (in attach order) around writing the weights, so a
 plugin can put other weights in the model while it is saved (EMA swaps its averages in when
 ``save_averaged``) and take them out after. The facade knows no plugin by type.
+
+The processing files come from the processing class, else from the collator's tokenizer, as
+transformers' ``Trainer._save`` takes them (``processing_class_to_save``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoints import checkpoint as ckpt
+from ..checkpoints.frozen import adapter_model
 from ..checkpoints.sharded import saved_by_every_rank
 from ..checkpoints.sharded_save import save_full_model
 from ..distributed.processes import barrier
@@ -48,8 +52,22 @@ def save_model(trainer: Any, output_dir: str | None = None) -> None:
             with weights_to_save(trainer):
                 ckpt.save_model(trainer.model, directory)
         if args.should_save:
-            write_processing_files(trainer.processing_class, Path(directory))
+            write_processing_files(processing_class_to_save(trainer), Path(directory))
             write_training_args(args, Path(directory))  # HF's training_args.bin, as JSON
-            write_model_card(trainer, output_dir)  # README.md next to the model (after peft's, which it replaces)
+            write_model_card(trainer, output_dir)  # README.md next to the model (after peft's)
+            adapter = adapter_model(trainer.model)
+            if adapter is not None and callable(getattr(adapter, "create_or_update_model_card", None)):
+                adapter.create_or_update_model_card(str(directory))  # peft's part of the card back, as HF's
     finally:
         barrier()
+
+
+def processing_class_to_save(trainer: Any) -> Any:
+    """What saves the processing files: the processing class, else the collator's tokenizer (HF's ``_save``).
+
+    A script that gives its tokenizer only to the collator (``DataCollatorForLanguageModeling(tokenizer)``)
+    still gets a model folder with the tokenizer in it.
+    """
+    if trainer.processing_class is not None:
+        return trainer.processing_class
+    return getattr(getattr(trainer, "data_collator", None), "tokenizer", None)

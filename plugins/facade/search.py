@@ -232,9 +232,7 @@ def _objective(
         try:
             run = _trial_trainer(trainer, args, model_init, trial, own_plugins)
             pruning = TrialPruning(trial, objective_of, report=directions is None)
-            # attached, not added: the trial's checkpoints then hold only the plugins a Trainer built with
-            # the same arguments has, so a plain Trainer can resume from them
-            pruning.attach(run)
+            pruning.attach(run)  # attached, not added: checkpoints hold a plain Trainer's plugins, so one resumes them
             run.train()
             if pruning.pruned:
                 raise optuna.TrialPruned(f"trial {trial.number} pruned at step {pruning.pruned_at}")
