@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from facade_helpers import Regressor, accuracy, quiet_args, regression_data, tiny_bert
+from facade_helpers import Regressor, accuracy, quiet_args, regression_data, tiny_bert, token_data
 
 from trainbus.plugins import Trainer
 from trainbus.plugins.facade.model_card import eval_results, read_front_matter, results_table, write_model_card
@@ -195,3 +195,25 @@ def test_eval_results_are_chosen_and_named_as_transformers_does() -> None:
     for history in histories:
         assert eval_results(history) == parse_log_history(history)[2], history
     assert eval_results(histories[0]) == {"Loss": 0.5, "F1 Macro": 0.25}
+
+
+def test_a_peft_models_card_is_updated_by_peft_as_in_transformers(tmp_path: Path) -> None:
+    """save_model writes peft's card; create_model_card then writes its own and lets peft update it."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import trainbus.plugins as trainbus_plugins
+
+    metadata, texts = [], []
+    for impl in (transformers, trainbus_plugins):
+        lora = peft.LoraConfig(r=2, target_modules=["query", "value"], task_type="SEQ_CLS")
+        out = tmp_path / impl.__name__
+        args = impl.TrainingArguments(str(out), max_steps=2, per_device_train_batch_size=4, save_strategy="no",
+                                      use_cpu=True, report_to="none", disable_tqdm=True)  # fmt: skip
+        trainer = impl.Trainer(peft.get_peft_model(tiny_bert(), lora), args, train_dataset=token_data(8))
+        trainer.train()
+        trainer.save_model()
+        trainer.create_model_card(tags="x", model_name="lora")
+        texts.append((out / "README.md").read_text())
+        metadata.append(read_front_matter(out / "README.md"))
+    assert metadata[1] == metadata[0] and metadata[1]["library_name"] == "peft"
+    assert "made with trainbus" in texts[1]
