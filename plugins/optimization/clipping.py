@@ -9,7 +9,7 @@ loggers read it once per logging window, so clipping adds no host sync to a step
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -64,14 +64,15 @@ class GradientClipping(Plugin):
         self.on(engine, Event.BEFORE_OPTIMIZER_STEP, self.clip)
 
     def collect(self, ev: TrainStartEvent) -> None:
-        # the optimizer's parameters, gathered once: the parameters that will step
+        # gathered once, in the model's order as HF's clip_grad_norm_(model.parameters()): the total norm
+        # sums the squares in that order, so the clip coefficient matches transformers to the last bit;
+        # then any optimizer parameter the model does not hold (a parameter the script added)
+        params = list(ev.engine.model.parameters())
         optimizer = ev.engine.optimizer
-        source: Any = (
-            [p for g in optimizer.param_groups for p in g["params"]]
-            if optimizer is not None
-            else ev.engine.model.parameters()
-        )
-        self._params = list(source)
+        if optimizer is not None:
+            known = {id(p) for p in params}
+            params += [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
+        self._params = params
 
     def clip(self, ev: BeforeOptimizerStepEvent) -> None:
         if not self._params:
