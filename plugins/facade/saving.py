@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoints import checkpoint as ckpt
-from ..checkpoints.frozen import adapter_model
 from ..checkpoints.sharded import saved_by_every_rank
 from ..checkpoints.sharded_save import save_full_model
 from ..distributed.processes import barrier
@@ -54,10 +53,7 @@ def save_model(trainer: Any, output_dir: str | None = None) -> None:
         if args.should_save:
             write_processing_files(processing_class_to_save(trainer), Path(directory))
             write_training_args(args, Path(directory))  # HF's training_args.bin, as JSON
-            write_model_card(trainer, output_dir)  # README.md next to the model (after peft's)
-            adapter = adapter_model(trainer.model)
-            if adapter is not None and callable(getattr(adapter, "create_or_update_model_card", None)):
-                adapter.create_or_update_model_card(str(directory))  # peft's part of the card back, as HF's
+            write_model_card(trainer, output_dir)  # README.md next to the model (peft's metadata kept)
     finally:
         barrier()
 
