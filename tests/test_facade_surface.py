@@ -298,7 +298,9 @@ def test_hf_utility_methods_report_what_the_run_has(tmp_path: Path, capsys: pyte
     assert trainer.get_learning_rates() == [g["lr"] for g in trainer.optimizer.param_groups]
     classifier = trainer.get_optimizer_group("classifier.weight")
     assert any(p is model.classifier.weight for p in classifier["params"])
-    assert trainer.get_optimizer_group() is trainer.optimizer.param_groups
+    groups = trainer.get_optimizer_group()  # HF: each group's list of parameters
+    assert len(groups) == len(trainer.optimizer.param_groups) == 2
+    assert all(listed is group["params"] for listed, group in zip(groups, trainer.optimizer.param_groups))
     # a real total_flos: the model's own estimate summed over the 6 micro-batches of 2 x 8 tokens
     per_batch = 6 * 2 * 8 * model.num_parameters(exclude_embeddings=True)  # HF's estimate
     # train()'s metrics leave it out as HF's do (its printer callback pops it); the log record keeps it
