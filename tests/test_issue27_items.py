@@ -15,7 +15,12 @@ from facade_helpers import Regressor, quiet_args
 
 from trainbus.engine import ConfigError
 from trainbus.engine.errors import ConfigKeyError, ConfigRuntimeError, ConfigTypeError
-from trainbus.plugins.data.length_grouping import LengthGroupedOrder, grouped_sampler_of
+from trainbus.plugins.data.length_grouping import (
+    GroupedEvalDraw,
+    LengthGroupedOrder,
+    eval_sampler,
+    grouped_sampler_of,
+)
 from trainbus.plugins.facade.arguments import TrainingArguments
 from trainbus.plugins.facade.trainer import Trainer
 from trainbus.plugins.facade.trainer_checks import check_train_kwargs, check_trainer_arguments, model_from_init
@@ -98,6 +103,21 @@ def test_a_grouped_run_resumed_mid_epoch_trains_bit_for_bit(tmp_path: Path, chec
     losses = [(r["step"], r["loss"]) for r in full.state.log_history if "loss" in r and r["step"] > step]
     assert losses == [(r["step"], r["loss"]) for r in resumed.state.log_history if "loss" in r and r["step"] > step]
     assert len(losses) == 12 - step
+
+
+def test_eval_sets_keep_their_order_and_draw_as_transformers_4_does() -> None:
+    import transformers
+
+    draw = GroupedEvalDraw(range(7))
+    torch.manual_seed(4)
+    assert list(draw) == list(range(7))  # the set's order
+    after = torch.get_rng_state()
+    torch.manual_seed(4)
+    torch.randperm(7)  # 4.x's LengthGroupedSampler draw for the eval set, the only random part
+    assert torch.equal(torch.get_rng_state(), after)
+    chosen = eval_sampler(token_rows(7), "group_by_length")
+    assert isinstance(chosen, GroupedEvalDraw) == (int(transformers.__version__.split(".")[0]) < 5)
+    assert eval_sampler(token_rows(7), "random") is None
 
 
 # -- TrainingArguments --------------------------------------------------------------------------------------

@@ -19,8 +19,10 @@ Under several processes each rank's global generator may differ (dropout draws d
 batches), so there the shuffle is drawn from ``seed + epoch`` (``data_seed`` if set) instead, the same
 order on every rank (and again on resume) but not transformers' one.
 
-Unlike transformers 5, which also groups eval and test sets by length (so ``predict`` returns rows
-in a shuffled order), trainbus groups only the train set: eval and predictions keep the data-set order.
+Unlike transformers, which also groups eval and test sets by length (so ``predict`` returns rows in a
+shuffled order), trainbus groups only the train set: eval and predictions keep the data-set order.
+transformers 4.x shuffles those with the global generator, so there the eval loader makes the same
+draw (``GroupedEvalDraw``) and the train shuffles after an evaluation stay 4.x's.
 """
 
 from __future__ import annotations
@@ -142,6 +144,35 @@ class LengthGroupedEpochSampler(Sampler[int]):
             self._resume = (int(state["epoch"]), torch.as_tensor(state["rng_state"], dtype=torch.uint8).clone())
 
 
+class GroupedEvalDraw(SequentialSampler):
+    """Data-set order, drawing from torch's global generator what transformers 4.x's eval sampler draws.
+
+    transformers 4.x groups eval and test sets by length too, shuffled by the global generator (one
+    ``randperm`` of the set each time a loader is iterated): that draw moves every train shuffle and
+    dropout mask after an evaluation. This sampler makes the same draw and keeps the set's order, so a
+    run that evaluates between epochs trains on 4.x's batches all the same. (transformers 5 gives the
+    eval sampler a generator of its own: nothing to draw there.)
+    """
+
+    def __iter__(self) -> Iterator[int]:
+        torch.randperm(len(self.data_source))  # where 4.x's get_length_grouped_indices draws, discarded
+        yield from range(len(self.data_source))
+
+
+def eval_sampler(dataset: Any, strategy: str) -> Sampler[int] | None:
+    """The sampler of an eval / test set: ``GroupedEvalDraw`` for ``"group_by_length"`` under transformers 4.x
+    in one process, else None (the set's order, ``build_dataloader``'s ``SequentialSampler``)."""
+    if strategy != "group_by_length" or isinstance(dataset, DataLoader | IterableDataset) or _several_processes():
+        return None
+    try:
+        import transformers
+    except ImportError:
+        return None
+    if int(str(transformers.__version__).split(".")[0]) >= 5 or not hasattr(dataset, "__len__"):
+        return None
+    return GroupedEvalDraw(range(len(dataset)))
+
+
 def grouped_sampler_of(data: Any) -> LengthGroupedEpochSampler | None:
     """The ``LengthGroupedEpochSampler`` a train loader draws from, if any."""
     for owner in (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None)):
@@ -254,8 +285,10 @@ def train_sampler(
 __all__ = [
     "SAMPLING_STRATEGIES",
     "LengthGroupedEpochSampler",
+    "GroupedEvalDraw",
     "LengthGroupedOrder",
     "check_sampling_strategy",
+    "eval_sampler",
     "example_lengths",
     "grouped_sampler_of",
     "main_input_name_of",

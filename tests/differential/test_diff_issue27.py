@@ -24,6 +24,9 @@ from hf_diff import (
 
 from trainbus.engine import ConfigError
 
+#: transformers 4.x rounds logged losses to 4 decimals; 5 logs them as computed
+LOG_ATOL = 5e-5 if int(__import__("transformers").__version__.split(".")[0]) < 5 else 1e-6
+
 
 # -- length-grouped batches --------------------------------------------------------------------------------
 class PooledTokens(torch.nn.Module):
@@ -133,7 +136,7 @@ def test_group_by_length_trains_on_transformers_batches__mirrors_test_group_by_l
     tb_train = [b for b in tb_collator.batches if len(b) == 2]
     assert len(tb_train) == 36 and tb_train == hf_train
     assert tb_train[:12] != tb_train[12:24]  # another order each epoch
-    assert_same_logs(hf.state.log_history, tb.state.log_history)
+    assert_same_logs(hf.state.log_history, tb.state.log_history, atol=LOG_ATOL)
     assert_same_weights(hf.model, tb.model)
 
 
@@ -283,8 +286,9 @@ def test_eval_use_gather_object_gives_the_default_results__mirrors_test_eval_use
         for gather_object in (True, False):
             trainer = regression_trainer(
                 impl, d / str(gather_object), a=1.5, b=0.5, eval_len=13, per_device_eval_batch_size=4,
-                eval_use_gather_object=gather_object,
+                eval_use_gather_object=gather_object, max_steps=2, save_strategy="no",
             )  # fmt: skip
+            trainer.train()  # (4.x and 5 differ on the epoch key of an evaluation before any training)
             predicted = trainer.predict(RegressionData(length=13, seed=3))
             out[gather_object] = (trainer.evaluate(), predicted)
         return out
