@@ -127,3 +127,43 @@ def test_an_adapter_model_is_found_through_wrappers_and_only_it_is_saved_adapter
     assert frozen.adapter_model(partly_frozen()) is None
     assert frozen.checkpoint_fingerprint(partly_frozen()) is None
     assert frozen.base_fingerprint(partly_frozen()) is not None  # still checked on an older checkpoint
+
+
+def two_adapters() -> Any:
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    config = peft.LoraConfig(r=2, target_modules=["0"], init_lora_weights=False)  # both factors train from step 1
+    model = peft.get_peft_model(base, config, adapter_name="task_a")
+    model.add_adapter("task_b", config)
+    return model
+
+
+def adapter_run(out: Path, max_steps: int, checkpoint: Path | None = None) -> Engine:
+    from trainbus.plugins import AdapterSwitch, adapter_parameters
+
+    model = two_adapters()
+    data = [(torch.randn(2, 3, generator=torch.Generator().manual_seed(i)), torch.ones(2, 1)) for i in range(3)]
+    engine = Engine(
+        model, torch.optim.AdamW(adapter_parameters(model), lr=0.05), train_data=data, max_steps=max_steps,
+        loss_fn=torch.nn.MSELoss(), plugins=[AdapterSwitch(["task_a", "task_b"], at="step"),
+                                             Checkpointing(out, save_strategy="steps", save_steps=2)],
+    )  # fmt: skip
+    if checkpoint is not None:
+        resume(engine, checkpoint)
+    engine.fit()
+    return engine
+
+
+def test_adapters_trained_in_turn_are_all_saved_and_resume_bit_for_bit(tmp_path: Path) -> None:
+    """peft freezes the adapter not active: it is still saved, and the base fingerprint ignores which one is."""
+    full = adapter_run(tmp_path / "full", 5)
+    folder = tmp_path / "full" / "checkpoint-2"
+    saved = set(load_file(str(folder / "model.safetensors")))
+    assert {n for n in full.model.state_dict() if "lora_" in n} == saved  # both adapters, no base weight
+    assert read_manifest(folder)["frozen_base"]["parameters"] == 4  # the two Linear layers' weights and biases
+    assert all((folder / name / "adapter_model.safetensors").is_file() for name in ("task_a", "task_b"))
+    assert not (folder / "config.json").exists()
+    resumed = adapter_run(tmp_path / "resumed", 5, folder)
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name

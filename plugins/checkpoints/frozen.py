@@ -1,8 +1,8 @@
 """What a checkpoint of an adapter model holds: the weights that train, a fingerprint of the frozen base, peft's folder.
 
 An adapter model (a peft / LoRA model, or a transformers model with a peft adapter loaded) changes
-only its adapters. Its checkpoints store the trainable parameters and every buffer, plus a
-fingerprint (sha256 over the names, dtypes, shapes and bytes of the frozen parameters), so a
+only its adapters. Its checkpoints store every adapter (the inactive ones too) and every buffer, plus
+a fingerprint (sha256 over the names, dtypes, shapes and bytes of the frozen base's parameters), so a
 checkpoint of a large base is as small as its adapter and its optimizer state, and a resume onto
 another base fails before training instead of silently mixing weights. Any other model with frozen
 parameters (wav2vec2 with its feature encoder frozen) is saved whole, as transformers saves it:
@@ -39,12 +39,20 @@ _CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, dict[str, Any]]] =
 
 
 def frozen_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters with ``requires_grad=False`` by name (tied ones once); empty when all train or none do."""
+    """The frozen base: parameters with ``requires_grad=False`` by name (tied ones once), an adapter's own
+    excepted; empty when all train or none do.
+
+    peft freezes the adapters not active (``set_adapter``): they are trained in turn (``AdapterSwitch``),
+    so they are saved, and the base fingerprint does not depend on which one is active. peft keys
+    every adapter's tensors by the adapter's name (``lora_A.<name>.weight``, ``modules_to_save.<name>``).
+    """
     named = dict(model.named_parameters())
     frozen = {name: p for name, p in named.items() if not p.requires_grad}
     if len(frozen) == len(named):
         return {}  # nothing trains (an evaluation-only save): keep whole-model checkpoints
-    return frozen
+    adapter = adapter_model(model)
+    adapters = set(getattr(adapter, "peft_config", None) or ()) if adapter is not None else set()
+    return {name: p for name, p in frozen.items() if not adapters.intersection(name.split("."))}
 
 
 def adapter_model(model: torch.nn.Module) -> torch.nn.Module | None:
