@@ -64,6 +64,7 @@ from .resuming import (
     resumed_batch_size,
     rng_file_stems,
 )
+from .rng import checkpoint_rng_state
 from .rotation import checkpoints_to_keep, delete_or_warn, rotate_checkpoints, same_path
 from .sharded import saved_by_every_rank
 from .sharded_save import save_sharded_checkpoint
@@ -117,7 +118,7 @@ def save_checkpoint(
     that looks complete, the previous checkpoints are untouched and the state is unchanged.
     ``rng_states`` holds every rank's RNG states in rank order (default: this process's only).
     """
-    rng_states = [cio.rng_state()] if rng_states is None else list(rng_states)
+    rng_states = [checkpoint_rng_state(engine)] if rng_states is None else list(rng_states)
     if engine.optimizer is None:
         raise ConfigError("save_checkpoint needs engine.optimizer: a checkpoint without it cannot resume")
     if saved_by_every_rank(engine.model):
@@ -355,7 +356,7 @@ class Checkpointing(Plugin):
     def save(self, ev: SaveEvent) -> None:
         """The SAVE handler: write the checkpoint (main process only; every rank its slices under FSDP) and rotate."""
         engine = ev.engine
-        rng_states = gather_to_main(cio.rng_state())  # every rank's, on rank 0 (a collective: all ranks call it)
+        rng_states = gather_to_main(checkpoint_rng_state(engine))  # every rank's, on rank 0 (all ranks call it)
         final = self.output_dir / f"{PREFIX}{engine.state.global_step}"
         main = rank() == 0 and engine.state.is_world_process_zero
         info: dict[str, Any] = {}

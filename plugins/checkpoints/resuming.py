@@ -171,7 +171,7 @@ def resume(engine: Engine, checkpoint: str | Path | bool, output_dir: str | Path
     if _attached(engine, "LoadBestModelAtEnd") is not None:
         check_best_checkpoint(engine)
     cio.set_rng_state(rng)
-    _RestoreRng(engine, rng)
+    _RestoreRng(engine, rng, _replay_through_data(engine, rng))
     logger.info("resumed from %s at global step %d", path, engine.state.global_step)
     return path
 
@@ -276,11 +276,24 @@ def resumed_batch_size(checkpoint: str | Path | bool, output_dir: str | None) ->
     return path, size
 
 
-class _RestoreRng:
-    """One-shot handlers re-applying RNG states where the uninterrupted run continued."""
+def _replay_through_data(engine: Engine, rng: dict[str, Any]) -> Any:
+    """A mid-epoch resume: the data plugin sets the RNG states right before the resumed epoch's first fetches
+    (the batch that was in flight first, made from its own states), so batches drawn in this process (random
+    masks, crops) and every draw after them are the uninterrupted run's. Returns its token, or None."""
+    data = _attached(engine, "ResumableData")
+    if data is None or engine.state.batches_in_epoch == 0 or getattr(data, "ignore_data_skip", False):
+        return None
+    states = [rng.pop("in_flight"), rng] if "in_flight" in rng else [rng]
+    return data.replay_rng(states)
 
-    def __init__(self, engine: Engine, rng: dict[str, Any]) -> None:
+
+class _RestoreRng:
+    """One-shot handlers re-applying RNG states where the uninterrupted run continued (unless the data plugin
+    replayed them at the resumed epoch's first fetches: ``replay.used``)."""
+
+    def __init__(self, engine: Engine, rng: dict[str, Any], replay: Any = None) -> None:
         self.rng = rng
+        self.replay = replay
         first = Priority.FIRST.before("*")  # before every plugin, as the uninterrupted run had no extra draws
         self.handles = [
             engine.on(Event.STEP_START, self._restore, priority=first, name="resume.restore_rng"),
@@ -292,6 +305,7 @@ class _RestoreRng:
             self._restore(ev)
 
     def _restore(self, ev: Payload) -> None:
-        cio.set_rng_state(self.rng)
+        if self.replay is None or not self.replay.used:
+            cio.set_rng_state(self.rng)
         for handle in self.handles:
             handle.remove()

@@ -36,3 +36,23 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             torch.cuda.set_rng_state_all(list(state["cuda"]))
         else:
             warnings.warn("the checkpoint holds CUDA RNG states but CUDA is not available; not restored", stacklevel=2)
+
+
+def same_rng_state(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two ``rng_state()`` results are equal (no generator drew in between)."""
+    if a["python"] != b["python"] or not torch.equal(a["torch"], b["torch"]):
+        return False
+    if "numpy" in a and not (a["numpy"][2:] == b["numpy"][2:] and (a["numpy"][1] == b["numpy"][1]).all()):
+        return False
+    return all(torch.equal(x, y) for x, y in zip(a.get("cuda", ()), b.get("cuda", ()), strict=True))
+
+
+def checkpoint_rng_state(engine: Any) -> dict[str, Any]:
+    """This process's RNG states for a checkpoint, with ``in_flight``: the states as the batch fetched ahead
+    of this step started being made (``engine.rng_in_flight``, set by a loader that fetches one ahead and
+    draws in this process), so a resume makes that batch again from the same draws."""
+    state = rng_state()
+    in_flight = getattr(engine, "rng_in_flight", None)
+    if in_flight is not None:
+        state["in_flight"] = in_flight
+    return state

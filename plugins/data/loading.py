@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from trainbus.engine import ConfigError, Event, Plugin, Priority
 if TYPE_CHECKING:
     from trainbus.engine import Engine, TrainStartEvent
 
+from ..checkpoints.rng import rng_state, same_rng_state, set_rng_state
 from .collators import (
     Collator,
     DataCollatorWithPadding,
@@ -118,17 +119,55 @@ def resumable_epoch_iterator(data: Iterable[Any], epoch: int, skip_batches: int)
     return itertools.islice(iterator, skip_batches, None) if skip_batches else iterator
 
 
-def fetch_one_ahead(batches: Iterable[Any]) -> Iterator[Any]:
-    """The same batches, each yielded once the next one has been made (accelerate's DataLoaderShard order)."""
+def fetch_one_ahead(batches: Iterable[Any], note_in_flight: Callable[[Any], None] | None = None) -> Iterator[Any]:
+    """The same batches, each yielded once the next one has been made (accelerate's DataLoaderShard order).
+
+    ``note_in_flight(states)`` gets the RNG states from just before the batch ahead started being made
+    (None when no batch is in flight), for checkpoints: a resume makes that batch again from them. They
+    are read only when making a batch draws from the global generators in this process (random masks,
+    crops; probed on each epoch's first batch ahead), so other loaders pay nothing per batch.
+    """
     iterator = iter(batches)
     try:
         current = next(iterator)
     except StopIteration:
         return
-    for upcoming in iterator:
+    track = probe = note_in_flight is not None
+    while True:
+        before = rng_state() if track else None
+        try:
+            upcoming = next(iterator)
+        except StopIteration:
+            break
+        if probe:
+            probe = False
+            track = not same_rng_state(before, rng_state())  # type: ignore[arg-type]
+        if note_in_flight is not None:
+            note_in_flight(before if track else None)
         yield current
         current = upcoming
+    if note_in_flight is not None:
+        note_in_flight(None)
     yield current
+
+
+class RngReplay:
+    """RNG states to set right before the resumed epoch's first fetches; ``used`` once they were."""
+
+    def __init__(self, states: list[Any]) -> None:
+        self.states = states
+        self.used = False
+
+    def wrap(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        for state in self.states:
+            set_rng_state(state)
+            self.used = True
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch
+        yield from iterator
 
 
 class ResumableData(Plugin):
@@ -145,10 +184,21 @@ class ResumableData(Plugin):
         self.ignore_data_skip = ignore_data_skip
 
     def attach(self, engine: Engine) -> None:
-        self.wrap_hook(engine, "epoch_iterator", lambda inner: resumable_epoch_iterator)
+        self._replay: RngReplay | None = None
+        self.wrap_hook(engine, "epoch_iterator", lambda inner: self._epoch_iterator)
         if self.ignore_data_skip:
             # first: every other TRAIN_START handler sees the epoch restarted
             self.on(engine, Event.TRAIN_START, self._restart_epoch, priority=Priority.FIRST)
+
+    def replay_rng(self, states: list[Any]) -> RngReplay:
+        """Set ``states`` (a checkpoint's, the in-flight batch's first) before the next epoch's first fetches."""
+        self._replay = RngReplay(states)
+        return self._replay
+
+    def _epoch_iterator(self, data: Iterable[Any], epoch: int, skip_batches: int) -> Iterator[Any]:
+        iterator = resumable_epoch_iterator(data, epoch, skip_batches)
+        replay, self._replay = self._replay, None
+        return iterator if replay is None else replay.wrap(iterator)
 
     def _restart_epoch(self, ev: TrainStartEvent) -> None:
         state = ev.engine.state

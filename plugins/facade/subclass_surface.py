@@ -105,6 +105,11 @@ class TrainerInternals:
     hp_search_backend: Any = None
     _trial: Any = None
     _evaluation_open = False
+    #: the RNG states from before the batch fetched ahead was made (checkpoints keep them: a resume makes it again)
+    rng_in_flight: Any = None
+
+    def _note_in_flight(self, states: Any) -> None:
+        self.rng_in_flight = states
 
     # -- the eval loaders: made when first needed, as HF makes them in evaluate() ------------------------
     @property

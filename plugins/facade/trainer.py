@@ -195,7 +195,7 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         self.add_plugin(self.callback_handler)
         # as accelerate's loader under HF: batch i+1 is made before step i runs, so a random collator's
         # draws (masked LM) come in the same order relative to the step's dropout
-        self.wrap_hook("epoch_iterator", lambda inner: lambda *a: fetch_one_ahead(inner(*a)))
+        self.wrap_hook("epoch_iterator", lambda inner: lambda *a: fetch_one_ahead(inner(*a), self._note_in_flight))
         counter = flo_counter(self)  # last: its FIRST handlers run after those registered before it
         if counter is not None:
             self.add_plugin(counter)
@@ -259,7 +259,8 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         """What HF's ``train()`` reads anew each time: a fresh model from ``model_init`` and ``self.args`` as they
         are now (the plugins built from them are composed again when they changed)."""
         fresh_model = self.model_init is not None
-        if fresh_model and not self.__dict__.pop("_model_just_made", False):  # HF: every train() starts from model_init's model, seeded, with a new optimizer
+        # HF: every train() starts from model_init's model, seeded, with a new optimizer
+        if fresh_model and not self.__dict__.pop("_model_just_made", False):
             self.model = self._prepare_model(None, self.model_init)
             self.optimizer = None
         if fresh_model or args_snapshot(self.args) != self._composed_for:
