@@ -248,7 +248,7 @@ class Regressor(torch.nn.Module):
 
 
 def run_folders(tmp_path: Path, trainer_module: str, save_strategy: str) -> list[str]:
-    """The folders of output_dir after 4 trials: trials 1 and 3 are pruned at their first evaluation."""
+    """The folders of output_dir after 3 trials: trial 1 is pruned at its first evaluation (step 2)."""
     import optuna
 
     class PruneOdd(optuna.pruners.BasePruner):
@@ -264,7 +264,7 @@ def run_folders(tmp_path: Path, trainer_module: str, save_strategy: str) -> list
     trainer = trainer_class(model_init=Regressor, args=args, train_dataset=data, eval_dataset=data[:4])
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     trainer.hyperparameter_search(
-        hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 0.1)}, n_trials=4,
+        hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 0.1)}, n_trials=3,
         backend="optuna", sampler=optuna.samplers.RandomSampler(seed=0), pruner=PruneOdd(),
     )  # fmt: skip
     return sorted(p.relative_to(out).as_posix() for p in [*out.glob("*"), *out.glob("*/*")] if p.is_dir())
