@@ -193,7 +193,13 @@ class TrainerUtilities:
 
         trainer: Any = self
         loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
-        out = trainer._with(loss_only, ignore_keys, lambda: Engine.predict(trainer, dataloader))
+        if trainer._evaluation_open:  # inside a subclass's evaluate(): the batches of that evaluation
+            return trainer._loop_in_evaluation(dataloader, loss_only, ignore_keys, metric_key_prefix)  # type: ignore[no-any-return]
+        trainer._loop_only = True  # a loop, not predict(): no on_predict (HF)
+        try:
+            out = trainer._with(loss_only, ignore_keys, lambda: Engine.predict(trainer, dataloader))
+        finally:
+            trainer._loop_only = False
         metrics = {
             f"{metric_key_prefix}_{key[5:]}" if key.startswith("test_") else key: value
             for key, value in (out.metrics or {}).items()
