@@ -71,7 +71,7 @@ def grouped_trainer(output_dir: Path, **kwargs: Any) -> Trainer:
         learning_rate=0.05,
         logging_steps=1,
         save_strategy="steps",
-        save_steps=4,
+        save_steps=2,
         seed=3,
         **kwargs,
     )
@@ -86,7 +86,8 @@ def test_the_trainer_keeps_the_grouped_order_in_its_checkpoints(tmp_path: Path) 
     assert sampler is not None and sampler.drawn is not None and sampler.drawn[0] == 1
 
 
-@pytest.mark.parametrize("checkpoint", ["checkpoint-4", "checkpoint-8"])  # mid epoch 0, mid epoch 1
+# mid epoch 0, the end of epoch 0, mid epoch 1
+@pytest.mark.parametrize("checkpoint", ["checkpoint-4", "checkpoint-6", "checkpoint-8"])
 def test_a_grouped_run_resumed_mid_epoch_trains_bit_for_bit(tmp_path: Path, checkpoint: str) -> None:
     def with_order(trainer: Trainer) -> Trainer:  # the Trainer attaches it itself (the test above)
         if trainer.get_plugin(LengthGroupedOrder) is None:
