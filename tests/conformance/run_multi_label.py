@@ -16,6 +16,7 @@ from typing import Any
 
 import datasets
 import numpy as np
+import torch
 from harness import implementation, set_dropout
 from transformers import (
     CONFIG_MAPPING,
@@ -43,6 +44,37 @@ class DataTrainingArguments:
     validation_file: str = field(metadata={"help": "json lines: text, label (a list of label names)"})
     test_file: str | None = field(default=None)
     max_seq_length: int = field(default=32)
+    loss_pos_weight: float | None = field(default=None, metadata={"help": "BCE weight of the positive labels "
+                                          "(a Trainer subclass overriding compute_loss)"})  # fmt: skip
+    in_order: bool = field(default=False, metadata={"help": "Train in the file's order (the subclass's sampler)"})
+
+
+def multi_label_trainer(base: type) -> type:
+    """A Trainer subclass as users write one for imbalanced labels: a weighted BCE in ``compute_loss``, and
+    an optional in-order sampler; both read attributes set after ``super().__init__`` (the train loader is
+    made in ``train()``, as in transformers)."""
+
+    class MultiLabelTrainer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, pos_weight: float | None = None, in_order: bool = False, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.pos_weight = pos_weight
+            self.in_order = in_order
+
+        def compute_loss(
+            self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+        ) -> Any:
+            labels = inputs.pop("labels")
+            outputs = model(**inputs)
+            weight = None if self.pos_weight is None else torch.full_like(outputs.logits[0], self.pos_weight)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(outputs.logits, labels, pos_weight=weight)
+            return (loss, outputs) if return_outputs else loss
+
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:  # the signature changed in 4.5x
+            if self.in_order:
+                return torch.utils.data.SequentialSampler(self.train_dataset)
+            return super()._get_train_sampler(*args, **kwargs)
+
+    return MultiLabelTrainer
 
 
 def main(argv: list[str] | None = None, trainer_module: str = "transformers") -> dict[str, Any]:
@@ -98,7 +130,9 @@ def main(argv: list[str] | None = None, trainer_module: str = "transformers") ->
             "subset_accuracy": float((predicted == truth).all(axis=1).mean()),
         }
 
-    trainer = Trainer(
+    subclassed = data_args.loss_pos_weight is not None or data_args.in_order
+    extra = {"pos_weight": data_args.loss_pos_weight, "in_order": data_args.in_order} if subclassed else {}
+    trainer = (multi_label_trainer(Trainer) if subclassed else Trainer)(
         model=model,
         args=training_args,
         train_dataset=train_dataset if training_args.do_train else None,
@@ -106,6 +140,7 @@ def main(argv: list[str] | None = None, trainer_module: str = "transformers") ->
         compute_metrics=compute_metrics,
         processing_class=tokenizer,
         data_collator=DataCollatorWithPadding(tokenizer),
+        **extra,
     )
     results: dict[str, Any] = {"trainer": trainer}
     if training_args.do_train:

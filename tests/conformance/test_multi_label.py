@@ -7,8 +7,16 @@ from pathlib import Path
 
 import numpy as np
 import run_multi_label
-from families import BERT, listing, multi_label_rows, resume_differences
-from harness import assert_same, check_losses_logged, common_argv, run_both, write_json_lines, write_tokenizer
+from families import BERT, listing, logged_losses, multi_label_rows, resume_differences
+from harness import (
+    assert_same,
+    check_losses_logged,
+    common_argv,
+    run_both,
+    run_script,
+    write_json_lines,
+    write_tokenizer,
+)
 
 
 def argv_for(tmp_path: Path, dropout: float, **overrides: object):
@@ -36,6 +44,17 @@ def test_multi_label_matches_transformers(tmp_path: Path) -> None:
     labels = np.asarray(hf.label_ids)
     assert labels.dtype.kind == "f" and labels.shape == (8, 4) and 0 < labels.sum() < labels.size
     assert {"predict_f1", "predict_subset_accuracy", "predict_loss"} <= set(hf.predict_metrics)
+    assert_same(hf, tb)
+
+
+def test_multi_label_subclass_matches_transformers(tmp_path: Path) -> None:
+    """A Trainer subclass with a weighted BCE (compute_loss pops the labels) and an in-order sampler
+    (``_get_train_sampler``), both reading attributes set after ``super().__init__``."""
+    hf, tb = run_both(run_multi_label.main, argv_for(tmp_path, 0.1, loss_pos_weight=3.0, in_order=True))
+    check_losses_logged(hf)
+    plain = run_script(run_multi_label.main, argv_for(tmp_path, 0.1)("plain"), "transformers")
+    # the comparison has teeth: the subclass's loss and sampler changed transformers' run
+    assert logged_losses(hf)[0] != logged_losses(plain)[0] and logged_losses(hf)[1:3] != logged_losses(plain)[1:3]
     assert_same(hf, tb)
 
 
