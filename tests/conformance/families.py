@@ -8,6 +8,7 @@ so that metrics move between evaluations (a best checkpoint is then a real choic
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -131,6 +132,19 @@ def write_segmentation_images(directory: Path, n: int, seed: int) -> list[dict[s
         Image.fromarray(mask, "L").save(directory / f"{i}-mask.png")
         rows.append({"image": str(directory / f"{i}.png"), "label": str(directory / f"{i}-mask.png")})
     return rows
+
+
+# -- accumulation -----------------------------------------------------------------------------------------
+def transformers_sums_micro_batches(model_class: type) -> bool:
+    """transformers' rule for ``model_class``: a forward taking ``**kwargs`` (or declaring
+    ``accepts_loss_kwargs``) gets ``num_items_in_batch`` and is trusted to divide by it, so the Trainer does
+    not divide the loss by the accumulation steps. A model (or a ``compute_loss`` override) that returns
+    its own micro-batch mean then trains on, and logs, the sum of the micro-batch means."""
+    declared = getattr(model_class, "accepts_loss_kwargs", None)
+    if declared is not None:
+        return bool(declared)
+    params = inspect.signature(model_class.forward).parameters.values()  # type: ignore[attr-defined]
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 # -- resume ---------------------------------------------------------------------------------------------

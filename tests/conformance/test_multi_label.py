@@ -6,17 +6,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import run_multi_label
-from families import BERT, listing, logged_losses, multi_label_rows, resume_differences
+from families import (
+    BERT,
+    listing,
+    logged_losses,
+    multi_label_rows,
+    resume_differences,
+    transformers_sums_micro_batches,
+)
 from harness import (
     assert_same,
     check_losses_logged,
     common_argv,
+    differences,
     run_both,
     run_script,
     write_json_lines,
     write_tokenizer,
 )
+from transformers import BertForSequenceClassification
 
 
 def argv_for(tmp_path: Path, dropout: float, **overrides: object):
@@ -56,6 +66,30 @@ def test_multi_label_subclass_matches_transformers(tmp_path: Path) -> None:
     # the comparison has teeth: the subclass's loss and sampler changed transformers' run
     assert logged_losses(hf)[0] != logged_losses(plain)[0] and logged_losses(hf)[1:3] != logged_losses(plain)[1:3]
     assert_same(hf, tb)
+
+
+def test_multi_label_subclass_accumulation_equals_one_batch(tmp_path: Path) -> None:
+    """The subclass's compute_loss returns its micro-batch mean (it ignores ``num_items_in_batch``): batch 2 x
+    accumulation 2 under trainbus equals batch 4 without accumulation; transformers sums the 2 means."""
+    weighted = {"loss_pos_weight": 3.0}
+    accumulated = argv_for(tmp_path, 0.0, per_device_train_batch_size=2, gradient_accumulation_steps=2, **weighted)
+    one_batch = argv_for(tmp_path, 0.0, per_device_train_batch_size=4, **weighted)
+    reference = run_script(run_multi_label.main, one_batch("reference"), "transformers")
+    hf = run_script(run_multi_label.main, accumulated("transformers"), "transformers")
+    tb = run_script(run_multi_label.main, accumulated("trainbus"), "trainbus")
+    check_losses_logged(reference)
+    ratio = logged_losses(hf)[0] / logged_losses(reference)[0]
+    if transformers_sums_micro_batches(BertForSequenceClassification):  # where transformers differs
+        assert 1.5 < ratio < 2.5, f"transformers' accumulated loss / the one-batch loss = {ratio}"
+    else:
+        assert ratio == pytest.approx(1.0, rel=1e-5)
+    # trainbus's accumulated run is the one-batch run, but for what counts the micro-batches: the epoch
+    # fractions and total_flos (the padded tokens of batches of 2), which come from transformers' accumulated run
+    found = differences(reference, tb, ignore=["epoch", "total_flos"], files=False)
+    for key in ("epoch", "total_flos"):
+        values = [[r.get(key) for r in run.log_history] for run in (hf, tb)]
+        found += [] if values[0] == values[1] else [f"{key}: transformers {values[0]}, trainbus {values[1]}"]
+    assert not found, listing(found)
 
 
 def test_multi_label_resume_matches_transformers(tmp_path: Path) -> None:

@@ -13,13 +13,12 @@ choice padded to the same length), whose loss is the mean accumulation must give
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from pathlib import Path
 
 import numpy as np
 import pytest
 import run_swag
-from families import BERT, listing, resume_differences, swag_rows
+from families import BERT, listing, resume_differences, swag_rows, transformers_sums_micro_batches
 from harness import (
     Run,
     assert_same,
@@ -32,6 +31,7 @@ from harness import (
     write_csv,
     write_tokenizer,
 )
+from transformers import BertForMultipleChoice
 
 COLUMNS = ["sent1", "sent2", "ending0", "ending1", "ending2", "ending3", "label"]
 
@@ -61,18 +61,6 @@ def test_multiple_choice_matches_transformers(tmp_path: Path) -> None:
     assert_same(hf, tb)
 
 
-def transformers_sums_micro_batches() -> bool:
-    """transformers' rule: a forward taking ``**kwargs`` gets ``num_items_in_batch`` and is trusted to
-    divide by it, so the Trainer does not divide by the accumulation steps (BertForMultipleChoice never
-    divides: its loss is its own micro-batch mean). 5.x's BERT takes ``**kwargs``."""
-    from transformers import BertForMultipleChoice
-
-    if getattr(BertForMultipleChoice, "accepts_loss_kwargs", None) is not None:
-        return bool(BertForMultipleChoice.accepts_loss_kwargs)
-    params = inspect.signature(BertForMultipleChoice.forward).parameters.values()
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
 def test_multiple_choice_accumulation_equals_one_batch(tmp_path: Path) -> None:
     """Batch 2 x accumulation 2 under trainbus equals batch 4 without accumulation; transformers' sums."""
     padded = {"pad_to_max_length": True}
@@ -83,7 +71,8 @@ def test_multiple_choice_accumulation_equals_one_batch(tmp_path: Path) -> None:
     tb = run_script(run_swag.main, accumulated("trainbus"), "trainbus")
     check_losses_logged(reference)
     ratio = logged(hf)[0] / logged(reference)[0]
-    if transformers_sums_micro_batches():  # where transformers differs: the sum of the 2 micro-batch means
+    # where transformers differs: the sum of the 2 micro-batch means
+    if transformers_sums_micro_batches(BertForMultipleChoice):
         assert 1.5 < ratio < 2.5, f"transformers' accumulated loss / the one-batch loss = {ratio}"
     else:
         assert ratio == pytest.approx(1.0, rel=1e-5)
