@@ -135,9 +135,10 @@ def main(argv: list[str] | None = None, trainer_module: str = "transformers") ->
     data_collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(tokenizer)
 
     def post_processing_function(examples: Any, features: Any, predictions: Any, stage: str = "eval") -> EvalPrediction:
+        written_to = None if trainer.is_in_train else training_args.output_dir  # no file per in-training evaluation
         answers = postprocess_qa_predictions(
             examples, features, predictions, n_best_size=data_args.n_best_size,
-            max_answer_length=data_args.max_answer_length, output_dir=training_args.output_dir, prefix=stage,
+            max_answer_length=data_args.max_answer_length, output_dir=written_to, prefix=stage,
         )  # fmt: skip
         formatted = [{"id": str(k), "prediction_text": v} for k, v in answers.items()]
         references = [{"id": str(ex["id"]), "answers": ex["answers"]} for ex in examples]
