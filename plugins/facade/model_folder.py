@@ -11,6 +11,7 @@ loads as they are.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -50,21 +51,35 @@ def write_training_args(args: Any, directory: Path) -> None:
 
 
 def align_special_tokens(model: Any, processing_class: Any) -> None:
-    """transformers' own alignment of the config's pad / bos / eos ids with a tokenizer's, before training.
+    """The installed transformers' own alignment of the config's pad / bos / eos ids with a tokenizer's, at train().
 
-    transformers 5 does it at train() (a tokenizer may define new special tokens for fine-tuning);
-    the saved config.json then carries them. Older transformers have no such function: nothing to do.
+    A tokenizer may define new special tokens for fine-tuning; transformers' Trainer copies its ids into
+    ``model.config`` and ``model.generation_config`` before training, so the saved config.json carries them.
+    Each release does it its own way (4.57 - 5.0 in ``Trainer._align_special_tokens``, which reads only
+    ``self.model`` and ``self.processing_class``; newer ones in ``trainer_utils.align_special_tokens``, on the
+    text config): the installed one's code runs, so a port gets what its transformers gives, and nothing
+    where its release has no alignment.
     """
+    model = unwrap_model(model)
     if processing_class is None or getattr(model, "config", None) is None:
         return
     try:
+        from transformers import trainer_utils
         from transformers.processing_utils import ProcessorMixin
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.trainer_utils import align_special_tokens as align
     except ImportError:
         return
-    if isinstance(processing_class, PreTrainedTokenizerBase | ProcessorMixin):
-        align(unwrap_model(model), processing_class)
+    if not isinstance(processing_class, PreTrainedTokenizerBase | ProcessorMixin):
+        return  # an image processor / feature extractor: transformers aligns nothing either
+    align = getattr(trainer_utils, "align_special_tokens", None)
+    if align is not None:
+        align(model, processing_class)
+        return
+    from transformers.trainer import Trainer as HFTrainer
+
+    method = getattr(HFTrainer, "_align_special_tokens", None)
+    if method is not None:  # the release's method, on a stand-in Trainer holding what it reads
+        method(SimpleNamespace(model=model, processing_class=processing_class))
 
 
 def applies_use_cache() -> bool:

@@ -3,8 +3,9 @@ stopping): the exact event order, control flags, stopping, early stopping, callb
 
 from __future__ import annotations
 
+import hf_release
 import pytest
-from hf_diff import AlmostAccuracy, regression_trainer, run_both
+from hf_diff import AlmostAccuracy, regression_trainer, run_both, with_newest_flow
 
 EVENTS = (
     "on_init_end",
@@ -54,12 +55,27 @@ def test_event_order__mirrors_test_event_flow(tmp_path, config):
     def scenario(impl, d):
         cb = recorder(impl.TrainerCallback)
         trainer = regression_trainer(impl, d, trainer_kwargs={"callbacks": [cb]}, **FLOW_CONFIGS[config])
-        trainer.train()
+        with_newest_flow(impl, trainer).train()
         return cb.events
 
     hf, tb = run_both(scenario, tmp_path)
     assert hf == tb
     assert tb[:2] == ["on_init_end", "on_train_begin"] and tb[-2:] == ["on_log", "on_train_end"]
+
+
+def test_last_step_evaluation_by_release(tmp_path):
+    """24 steps, eval_steps 5: the newest transformers also evaluates after step 24 (no multiple of 5), 4.57 - 5.0
+    do not; trainbus does, on every release (as the newest). The steps evaluated, by an independent rule."""
+
+    def scenario(impl, d):
+        trainer = regression_trainer(impl, d, eval_strategy="steps", eval_steps=5, save_strategy="no")
+        trainer.train()
+        return [r["step"] for r in trainer.state.log_history if "eval_loss" in r]
+
+    hf, tb = run_both(scenario, tmp_path)
+    multiples = [5, 10, 15, 20]
+    assert tb == [*multiples, 24]
+    assert hf == ([*multiples, 24] if hf_release.evaluates_after_last_step() else multiples)
 
 
 def test_stop_from_callback__mirrors_test_callback_can_stop_training(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hf_release
 import numpy as np
 import pytest
 import safetensors.torch
@@ -26,6 +27,7 @@ from hf_diff import (
     run_both,
     scrub_timing,
     state_summary,
+    with_newest_flow,
 )
 
 
@@ -50,11 +52,11 @@ def test_checkpoint_names_and_states__mirrors_test_save_checkpoints(tmp_path):
 def test_last_step_saved__mirrors_test_load_best_model_with_save(tmp_path):
     def scenario(impl, d):
         common = {"save_steps": 5, "eval_strategy": "steps", "eval_steps": 5}
-        regression_trainer(impl, d / "a", max_steps=9, **common).train()
+        with_newest_flow(impl, regression_trainer(impl, d / "a", max_steps=9, **common)).train()
         trainer = regression_trainer(
             impl, d / "b", max_steps=11, load_best_model_at_end=True, save_total_limit=2, **common
         )
-        trainer.train()
+        with_newest_flow(impl, trainer).train()
         best_name = Path(trainer.state.best_model_checkpoint).name
         best = safetensors.torch.load_file(str(d / "b" / best_name / "model.safetensors"))
         loaded = all(torch.equal(v, best[k]) for k, v in trainer.model.state_dict().items())
@@ -64,9 +66,10 @@ def test_last_step_saved__mirrors_test_load_best_model_with_save(tmp_path):
     assert hf_a == tb_a == ["checkpoint-5", "checkpoint-9"]
     # the limit keeps the last two; 5 is deleted
     assert hf_b == tb_b == ["checkpoint-10", "checkpoint-11"]
-    # transformers' test says checkpoint-10 is loaded (and checks it with allclose), but transformers 5
-    # evaluates after the last step too, and step 11's eval_loss (11.88520) beats step 10's (11.88524):
-    # both load checkpoint-11, whose weights differ from checkpoint-10's by less than allclose sees
+    # transformers' test says checkpoint-10 is loaded (and checks it with allclose), but the newest transformers
+    # evaluates after the last step too (4.57 - 5.0 are made to, see with_newest_flow), and step 11's eval_loss
+    # (11.88520) beats step 10's (11.88524): both load checkpoint-11, whose weights differ from checkpoint-10's
+    # by less than allclose sees
     assert hf_loaded == tb_loaded == ("checkpoint-11", True)
     assert_same_weights(hf.model, tb.model)
 
@@ -250,7 +253,7 @@ def test_rotation_keeps__mirrors_test_checkpoint_rotation(tmp_path, variant):
             save_steps=5,
             **ROTATION_VARIANTS[variant],
         )
-        trainer.train()
+        with_newest_flow(impl, trainer).train()  # 4.57 - 5.0 do not evaluate step 24 by themselves
         best = trainer.state.best_model_checkpoint
         return checkpoint_names(d), best and Path(best).name, trainer
 
@@ -278,6 +281,13 @@ def test_save_strategy_best__mirrors_test_save_best_checkpoint(tmp_path):
 
     (hf_names, hf_states, hf_best), (tb_names, tb_states, tb_best) = run_both(scenario, tmp_path)
     assert hf_names == tb_names and len(tb_names) >= 1  # only epochs that improved the accuracy
+    # each checkpoint was saved at a new best: it is the best one so far (trainbus, and the newest transformers;
+    # 4.57 - 5.0 record neither best_global_step nor best_model_checkpoint under save_strategy="best")
+    for name, state in tb_states.items():
+        assert (state["best_global_step"], state["best_model_checkpoint"]) == (int(name.split("-")[1]), name)
+    if not hf_release.save_best_records_its_checkpoint():
+        blank = {"best_global_step": None, "best_model_checkpoint": None}
+        tb_states = {name: {**state, **blank} for name, state in tb_states.items()}
     assert hf_states == tb_states
     assert hf_best == pytest.approx(tb_best)
 
@@ -297,12 +307,12 @@ def test_best_needs_metric__mirrors_test_metric_for_best_model_behavior(tmp_path
 
 
 def test_metric_never_computed__mirrors_test_best_model_checkpoint_behavior_cases_1_2(tmp_path):
-    """transformers fails its own scenario here (cases 1 and 2: "never evaluated").
+    """The newest transformers fails its own scenario here (cases 1 and 2: "never evaluated").
 
-    Its test expects best_metric None and one checkpoint per step. But transformers 5 evaluates at the
-    last step when eval_strategy="steps" (eval_steps 500 > max_steps), and that evaluation has no
-    eval_accuracy (no compute_metrics): transformers raises KeyError there. trainbus evaluates at the last
-    step too and refuses with a ConfigError naming the missing key. Both stop; neither gives the pin.
+    Its test expects best_metric None and one checkpoint per step, which 4.57 - 5.0 give. But the newest
+    transformers evaluates at the last step when eval_strategy="steps" (eval_steps 500 > max_steps), and
+    that evaluation has no eval_accuracy (no compute_metrics): it raises KeyError there. trainbus evaluates
+    at the last step too (on every release) and refuses with a ConfigError naming the missing key.
     """
 
     def scenario(impl, d):
@@ -319,7 +329,8 @@ def test_metric_never_computed__mirrors_test_best_model_checkpoint_behavior_case
 
     hf, tb = run_both(scenario, tmp_path)
     # trainbus refuses already in Trainer() (it evaluates nothing that could produce eval_accuracy)
-    assert hf == ("KeyError", 24) and tb == ("ConfigError", 0)
+    assert hf == ("KeyError" if hf_release.evaluates_after_last_step() else None, 24)
+    assert tb == ("ConfigError", 0)
 
 
 BEHAVIOR_CASES = {
