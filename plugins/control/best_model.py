@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from trainbus.engine import ConfigError, Engine, EvalEndEvent, Event, Plugin, Priority
-from trainbus.engine.errors import suggest
+from trainbus.engine.errors import ConfigKeyError, suggest
 
 __all__ = [
     "BestMetric",
@@ -79,7 +79,7 @@ def check_metric_key(name: str, available: Iterable[str], prefix: str = "eval") 
     key = resolve_metric_key(name, prefix)
     keys = sorted(available)
     if key not in keys:
-        raise ConfigError(
+        raise ConfigKeyError(
             f"metric_for_best_model {name!r} (key {key!r}) is not among the evaluation metrics"
             f"{suggest(key, keys)}; available keys: {', '.join(keys) or '(none)'}"
         )
@@ -122,7 +122,7 @@ class MetricWatch:
         owner = self._owner(ev)
         if owner is None or owner == ev.prefix:
             sets = eval_prefixes(ev.engine.eval_data)
-            raise ConfigError(
+            raise ConfigKeyError(
                 f"metric {key!r} is not among the evaluation metrics{suggest(key, ev.metrics)}; "
                 f"keys of the {ev.prefix!r} evaluation: {', '.join(sorted(ev.metrics))}"
                 + (f"; eval sets: {', '.join(sets)}" if len(sets) > 1 else "")

@@ -23,7 +23,6 @@ from trainbus.engine import ConfigError, Event, Plugin, Priority
 if TYPE_CHECKING:
     from trainbus.engine import Engine, TrainStartEvent
 
-from ..checkpoints.rng import rng_state, same_rng_state, set_rng_state
 from .collators import (
     Collator,
     DataCollatorWithPadding,
@@ -33,6 +32,7 @@ from .collators import (
     remove_unused_columns,
     signature_columns,
 )
+from .rng import rng_state, same_rng_state, set_rng_state
 
 
 class EpochSampler(Sampler[int]):

@@ -53,7 +53,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "include_inputs_for_metrics": (False, "renamed include_for_metrics"),
     "adafactor": (False, "use optim='adafactor'"),
     "torchdynamo": (None, "use torch_compile"),
-    "use_legacy_prediction_loop": (False, ""),
     "ray_scope": ("last", ""),
     "mp_parameters": ("", ""),
     "dispatch_batches": (None, ""),

@@ -173,6 +173,7 @@ class TrainingArguments(ProcessArguments):
     remove_unused_columns: bool = True
     train_sampling_strategy: str = "random"
     group_by_length: bool = False  # transformers 4.x: True means train_sampling_strategy="group_by_length"
+    use_legacy_prediction_loop: bool = False  # transformers 4.x; prediction_loop is evaluation_loop in trainbus
     length_column_name: str = "length"
     label_names: list[str] | None = None
     skip_memory_metrics: bool = True

@@ -45,7 +45,7 @@ class CallbackHandlerMethods:
 
     @property
     def lr_scheduler(self) -> Any:
-        return None if self._engine is None else _scheduler_of(self._engine)
+        return None if self._engine is None else lr_scheduler_of(self._engine)
 
     @property
     def train_dataloader(self) -> Any:
@@ -53,10 +53,12 @@ class CallbackHandlerMethods:
 
 
 
-def _scheduler_of(engine: Any) -> Any:
-    from .callbacks import _lr_scheduler
-
-    return _lr_scheduler(engine)
+def lr_scheduler_of(engine: Any) -> Any:
+    for plugin in engine.plugins:
+        scheduler = getattr(plugin, "scheduler", None)
+        if scheduler is not None and hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
+            return scheduler
+    return None
 
 
 def _handler_method(event: str, payload: str | None) -> Any:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from trainbus.engine import Event, Plugin, Priority
 from trainbus.engine.state import CONTROL_FLAGS
 
-from .callback_handler import CallbackHandlerMethods, install_handler_methods
+from .callback_handler import CallbackHandlerMethods, install_handler_methods, lr_scheduler_of
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
@@ -176,7 +176,7 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
             "model": engine.model,
             "processing_class": self.processing_class,
             "optimizer": engine.optimizer,
-            "lr_scheduler": _lr_scheduler(engine),
+            "lr_scheduler": lr_scheduler_of(engine),
             "train_dataloader": engine.train_data,
             "eval_dataloader": self.eval_dataloader,
             **extra,
@@ -338,14 +338,6 @@ def _overrides(callback: Any, name: str) -> bool:
         if name in vars(klass):
             return klass.__name__ != "TrainerCallback"
     return callable(getattr(callback, name, None))  # set on the instance
-
-
-def _lr_scheduler(engine: Engine) -> Any:
-    for plugin in engine.plugins:
-        scheduler = getattr(plugin, "scheduler", None)
-        if scheduler is not None and hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
-            return scheduler
-    return None
 
 
 install_handler_methods(CallbackAdapter, CALLBACK_EVENTS)

@@ -19,6 +19,7 @@ from ..checkpoints.checkpoint import Checkpointing, LoadBestModelAtEnd
 from ..control.best_model import BestMetric, check_metric_key, expected_keys
 from ..control.flow import FlowControl
 from ..control.preemption import Preemption
+from ..data.length_grouping import LengthGroupedOrder
 from ..data.loading import ResumableData
 from ..distributed.fsdp import fsdp_plugin
 from ..distributed.plugin import Distributed
@@ -177,6 +178,8 @@ def _eval_and_save_plugins(trainer: Any, args: TrainingArguments, preprocess_log
             concat_batches=args.eval_do_concat_batches,
         )
     )
+    if str(args.train_sampling_strategy) == "group_by_length":
+        plugins.append(LengthGroupedOrder())  # the epoch's grouped order in checkpoints: a resume draws it again
     if args.metric_for_best_model is not None:
         plugins.append(BestMetric(args.metric_for_best_model, args.greater_is_better))
     # present with save_strategy="no" too: a callback's control.should_save still gets a checkpoint (HF)

@@ -13,7 +13,7 @@ from typing import Any
 
 from trainbus.engine import ConfigError
 
-from ..data.length_grouping import main_input_name_of, train_sampler
+from ..data.length_grouping import eval_sampler, main_input_name_of, train_sampler
 from ..data.loading import RemoveColumnsCollator, build_dataloader, remove_unused_columns, signature_columns
 
 
@@ -63,7 +63,7 @@ class TrainerData:
     def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool) -> Any:
         args = self.args
         seed = args.data_seed if args.data_seed is not None else args.seed
-        sampler = None
+        sampler = None if shuffle else eval_sampler(dataset, str(args.train_sampling_strategy))  # 4.x's draw
         if shuffle:  # the train set: HF's train_sampling_strategy, lengths read before columns are removed
             sampler = train_sampler(
                 dataset,

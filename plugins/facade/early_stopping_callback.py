@@ -44,9 +44,10 @@ class EarlyStoppingCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         from trainbus.engine import ConfigError
+        from trainbus.engine.errors import ConfigAssertionError
 
         if args.metric_for_best_model is None:
-            raise ConfigError("EarlyStoppingCallback needs TrainingArguments.metric_for_best_model")
+            raise ConfigAssertionError("EarlyStoppingCallback needs TrainingArguments.metric_for_best_model")
         if str(args.eval_strategy) == "no":
             raise ConfigError("EarlyStoppingCallback needs an eval_strategy of 'steps' or 'epoch', got 'no'")
 

@@ -39,7 +39,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from trainbus.engine import ConfigError, Plugin
-from trainbus.engine.errors import suggest
+from trainbus.engine.errors import ConfigRuntimeError, suggest
 
 from ..control.pruning import TrialPruning, number
 from ..evaluation.collector import EvalCollector
@@ -165,7 +165,7 @@ def _check_search(trainer: Any, backend: Any, n_trials: Any, direction: Any, kwa
         )
     model_init = getattr(trainer, "model_init", None)
     if model_init is None:
-        raise ConfigError(
+        raise ConfigRuntimeError(
             "To use hyperparameter search, you need to pass your model through a model_init function: "
             "build the Trainer with Trainer(model_init=make_model, ...) instead of a model, so that each "
             "trial trains a new model"
@@ -173,7 +173,7 @@ def _check_search(trainer: Any, backend: Any, n_trials: Any, direction: Any, kwa
     if not callable(model_init):
         raise ConfigError(f"model_init must be a function, got {type(model_init).__name__}")
     if not isinstance(model_init, type) and len(inspect.signature(model_init).parameters) > 1:
-        raise ConfigError("model_init should have 0 or 1 argument (the optuna trial)")
+        raise ConfigRuntimeError("model_init should have 0 or 1 argument (the optuna trial)")
     if trainer.eval_dataset is None:
         raise ConfigError(
             "hyperparameter_search needs an eval_dataset: the objective is computed from the evaluation metrics"

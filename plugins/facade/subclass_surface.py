@@ -105,6 +105,7 @@ class TrainerInternals:
     hp_search_backend: Any = None
     _trial: Any = None
     _evaluation_open = False
+    is_in_train = False  # HF: True between train()'s entry and exit
     #: the RNG states from before the batch fetched ahead was made (checkpoints keep them: a resume makes it again)
     rng_in_flight: Any = None
 

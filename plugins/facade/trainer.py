@@ -54,10 +54,9 @@ from .model_folder import align_special_tokens, applies_use_cache
 from .optimizer_setup import TrainerOptimizers
 from .saving import save_model as save_final_model
 from .search import hyperparameter_search as _hyperparameter_search
-from .search import takes_trial
 from .step_hooks import TrainerStepHooks
 from .subclass_surface import MemoryTracker, TrainerInternals
-from .trainer_checks import check_model
+from .trainer_checks import check_model, check_train_kwargs, check_trainer_arguments, model_from_init
 from .utilities import TrainerUtilities
 
 
@@ -107,14 +106,12 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         if not isinstance(self.args, TrainingArguments):
             raise ConfigError(f"args must be trainbus TrainingArguments, got {type(self.args).__name__}")
         args = self.args
-        if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
-            raise ConfigError("pass either optimizers=(optimizer, scheduler) or optimizer_cls_and_kwargs, not both")
+        check_trainer_arguments(model, model_init, optimizers, optimizer_cls_and_kwargs, data_collator)  # HF's types
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.flo_counter = FloCounter(self.floating_point_ops)  # a subclass's floating_point_ops counts (HF)
         self.memory_metrics = None if args.skip_memory_metrics else MemoryMetrics()
-        self._memory_tracker = MemoryTracker(self.memory_metrics)  # HF's name, for subclasses copying its bodies
+        self._memory_tracker = MemoryTracker(self.memory_metrics)  # HF's, for subclasses copying its bodies
         self._memory_tracker.start()  # HF measures the constructor as the "init" stage
-        self.is_in_train = False  # HF: True between train()'s entry and exit
         model = self._prepare_model(model, model_init)
         self.processing_class = processing_class
         self.compute_loss_func = compute_loss_func
@@ -140,8 +137,7 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
             label_names=self.label_names_arg,
         )
         self.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # HF: the window being trained
-        self._prediction_loss_only = args.prediction_loss_only
-        self._ignore_keys: list[str] | None = None
+        self._prediction_loss_only, self._ignore_keys = args.prediction_loss_only, None
         self._install_step_hooks()
         self._install_evaluate_override()  # a subclass's evaluate() is what the schedule runs (HF)
         self._given = (optimizers[1], preprocess_logits_for_metrics)  # what composing again reuses
@@ -158,11 +154,8 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         set_seed(args.seed)
         if args.full_determinism:
             torch.use_deterministic_algorithms(True)
-        if model is None:
-            if model_init is None:
-                raise ConfigError("Trainer needs a model (or model_init)")
-            # HF: a 1-argument one gets the trial (hyperparameter_search sets it), else None
-            model = model_init(getattr(self, "_trial", None)) if takes_trial(model_init) else model_init()
+        if model is None:  # HF's call_model_init: a 1-argument one gets the trial (hyperparameter_search's)
+            model = model_from_init(model_init, self._trial)  # type: ignore[arg-type]
         self.model_init = model_init
         check_model(model)
         model = model.to(args.device)
@@ -233,8 +226,7 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
     # -- train / evaluate / predict -------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:  # type: ignore[override]
         """Train; ``resume_from_checkpoint`` is a checkpoint path or True for the latest in output_dir."""
-        if kwargs:
-            raise ConfigError(f"train() got unexpected arguments {sorted(kwargs)}; it takes resume_from_checkpoint")
+        check_train_kwargs(kwargs)  # HF's trial / ignore_keys_for_eval: None only
         if self.train_dataset is None:
             raise ConfigError("Trainer.train() needs a train_dataset")
         # a worker torchrun restarted goes on from its launch's last checkpoint

@@ -18,7 +18,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
-from trainbus.engine.errors import check_positive_int, suggest
+from trainbus.engine.errors import ConfigKeyError, check_positive_int, suggest
 
 from .schedule_shapes import (
     constant_factor,
@@ -283,7 +283,7 @@ class LRScheduler(Plugin):
             return  # evaluated before training started: nothing to step yet
         key = self.metric if self.metric.startswith(f"{ev.prefix}_") else f"{ev.prefix}_{self.metric}"
         if key not in ev.metrics:
-            raise ConfigError(f"reduce_lr_on_plateau watches {key!r}, but the eval metrics are {sorted(ev.metrics)}")
+            raise ConfigKeyError(f"reduce_lr_on_plateau watches {key!r}, but the eval metrics are {sorted(ev.metrics)}")
         self.scheduler.step(float(ev.metrics[key]))  # one host read per evaluation, not per step
 
     def get_last_lr(self) -> list[float]:

@@ -377,3 +377,22 @@ def test_subclass_memory_tracker_in_its_evaluate(tmp_path: Path) -> None:
     hf, tb = run_both(scenario, tmp_path)
     assert tb == hf and any(k.startswith("eval_mem_cpu") for k in tb)
     assert math.isfinite(len(tb))
+
+
+def test_legacy_prediction_loop_argument_of_transformers_4(tmp_path: Path) -> None:
+    """transformers 4.x's trainer_qa.py reads args.use_legacy_prediction_loop; True takes prediction_loop,
+    which in trainbus is the same loop: the QA-style evaluate gives the same metrics either way."""
+    from hf_diff import implementation
+
+    impl = implementation("trainbus")
+    results = []
+    for legacy in (False, True):
+        cls = qa_style_trainer(impl)
+        args = impl.args(tmp_path / str(legacy), use_legacy_prediction_loop=legacy)
+        assert args.use_legacy_prediction_loop is legacy
+        trainer = cls(
+            model=RegressionDictModel(a=1.5, b=0.5), args=args, eval_dataset=RegressionData(length=20, seed=3),
+            compute_metrics=Closeness(), post_process_function=shifted,
+        )  # fmt: skip
+        results.append(trainer.evaluate())
+    assert_same_metrics(results[0], results[1])
