@@ -56,11 +56,15 @@ def test_qa_matches_transformers(tmp_path: Path) -> None:
 
 def test_qa_early_stopping_matches_transformers(tmp_path: Path) -> None:
     """transformers' EarlyStoppingCallback reads the subclass's F1 (its evaluate() is the only evaluation):
-    training stops after an evaluation without a better F1, at the same step, and the best is loaded."""
-    hf, tb = run_both(run_qa.main, argv_for(tmp_path, 0.1, early_stopping_patience=1))
+    training stops after an evaluation without a better F1, at the same step; ``save_strategy="best"`` saves
+    a checkpoint only at a new best F1, and the best is loaded at the end."""
+    argv = argv_for(tmp_path, 0.1, early_stopping_patience=1, save_strategy="best")
+    hf, tb = run_both(run_qa.main, argv)
     check_losses_logged(hf)
     state = json.loads((hf.output_dir / "trainer_state.json").read_text())
     assert state["global_step"] < state["max_steps"], "transformers did not stop early: the test has no teeth"
+    saved = sorted(int(name.split("/")[0].split("-")[1]) for name in hf.files if name.endswith("/trainer_state.json"))
+    assert saved and saved[-1] == state["best_global_step"] < state["global_step"], f"checkpoints at steps {saved}"
     assert_same(hf, tb)
     assert json.loads((tb.output_dir / "trainer_state.json").read_text())["global_step"] == state["global_step"]
 
