@@ -56,17 +56,31 @@ def test_qa_matches_transformers(tmp_path: Path) -> None:
 
 def test_qa_early_stopping_matches_transformers(tmp_path: Path) -> None:
     """transformers' EarlyStoppingCallback reads the subclass's F1 (its evaluate() is the only evaluation):
-    training stops after an evaluation without a better F1, at the same step; ``save_strategy="best"`` saves
-    a checkpoint only at a new best F1, and the best is loaded at the end."""
-    argv = argv_for(tmp_path, 0.1, early_stopping_patience=1, save_strategy="best")
-    hf, tb = run_both(run_qa.main, argv)
+    training stops after an evaluation without a better F1, at the same step, and the best is loaded."""
+    hf, tb = run_both(run_qa.main, argv_for(tmp_path, 0.1, early_stopping_patience=1))
     check_losses_logged(hf)
     state = json.loads((hf.output_dir / "trainer_state.json").read_text())
     assert state["global_step"] < state["max_steps"], "transformers did not stop early: the test has no teeth"
-    saved = sorted(int(name.split("/")[0].split("-")[1]) for name in hf.files if name.endswith("/trainer_state.json"))
-    assert saved and saved[-1] == state["best_global_step"] < state["global_step"], f"checkpoints at steps {saved}"
     assert_same(hf, tb)
     assert json.loads((tb.output_dir / "trainer_state.json").read_text())["global_step"] == state["global_step"]
+
+
+def test_qa_save_best_matches_transformers(tmp_path: Path) -> None:
+    """``save_strategy="best"``: a checkpoint only where the subclass's F1 is a new best, and the best loaded
+    at the end. transformers before 5.x's fix leaves ``best_model_checkpoint`` None there (4.57, 5.0), so
+    nothing is loaded: its run is then no reference, and trainbus's is pinned by its own logged F1."""
+    hf, tb = run_both(run_qa.main, argv_for(tmp_path, 0.1, save_strategy="best"))
+    check_losses_logged(hf)
+    if json.loads((hf.output_dir / "trainer_state.json").read_text())["best_model_checkpoint"] is not None:
+        assert_same(hf, tb)
+    state = json.loads((tb.output_dir / "trainer_state.json").read_text())
+    f1 = [(r["step"], r["eval_f1"]) for r in state["log_history"] if "eval_f1" in r]
+    new_best = [step for i, (step, value) in enumerate(f1) if all(value > earlier for _, earlier in f1[:i])]
+    saved = sorted(int(name.split("/")[0].split("-")[1]) for name in tb.files if name.endswith("/trainer_state.json"))
+    assert len(new_best) >= 2 and new_best[-1] < state["global_step"], f"F1 over training {f1}: no teeth"
+    assert saved == new_best[-2:], f"trainbus saved at steps {saved}, new best F1 at {new_best} (save_total_limit 2)"
+    assert state["best_model_checkpoint"].endswith(f"checkpoint-{new_best[-1]}")
+    assert tb.eval_metrics["eval_f1"] == state["best_metric"] == max(value for _, value in f1)
 
 
 def test_qa_resume_matches_transformers(tmp_path: Path) -> None:
