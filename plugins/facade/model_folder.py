@@ -99,7 +99,19 @@ def checkpoint_extras(trainer: Any) -> Any:
 
     def write(directory: Path) -> None:
         write_config_files(trainer.model, directory)
-        write_processing_files(trainer.processing_class, directory)
+        write_processing_files(processing_class_to_save(trainer), directory)
         write_training_args(trainer.args, directory)
 
     return write
+
+
+def processing_class_to_save(trainer: Any) -> Any:
+    """What saves the processing files: the processing class, else the collator's tokenizer (HF's ``_save``).
+
+    A script that gives its tokenizer only to the collator (``DataCollatorForLanguageModeling(tokenizer)``)
+    still gets a model folder with the tokenizer in it.
+    """
+    if trainer.processing_class is not None:
+        return trainer.processing_class
+    return getattr(getattr(trainer, "data_collator", None), "tokenizer", None)
+

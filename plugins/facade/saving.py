@@ -20,7 +20,7 @@ from ..checkpoints.sharded import saved_by_every_rank
 from ..checkpoints.sharded_save import save_full_model
 from ..distributed.processes import barrier
 from .model_card import write_model_card
-from .model_folder import write_processing_files, write_training_args
+from .model_folder import processing_class_to_save, write_processing_files, write_training_args
 
 
 def weights_to_save(engine: Any) -> contextlib.ExitStack[Any]:
@@ -56,14 +56,3 @@ def save_model(trainer: Any, output_dir: str | None = None) -> None:
             write_model_card(trainer, output_dir)  # README.md next to the model (peft's metadata kept)
     finally:
         barrier()
-
-
-def processing_class_to_save(trainer: Any) -> Any:
-    """What saves the processing files: the processing class, else the collator's tokenizer (HF's ``_save``).
-
-    A script that gives its tokenizer only to the collator (``DataCollatorForLanguageModeling(tokenizer)``)
-    still gets a model folder with the tokenizer in it.
-    """
-    if trainer.processing_class is not None:
-        return trainer.processing_class
-    return getattr(getattr(trainer, "data_collator", None), "tokenizer", None)

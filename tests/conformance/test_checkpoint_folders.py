@@ -180,11 +180,6 @@ def test_save_model_saves_the_collators_tokenizer_as_transformers_does(tmp_path:
     assert_same(top_level(hf), top_level(tb))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="checkpoints get the processing files from facade/model_folder.checkpoint_extras, which reads "
-    "trainer.processing_class only: it must use saving.processing_class_to_save(trainer) (owner: model_folder.py)",
-)
 def test_checkpoints_save_the_collators_tokenizer_as_transformers_does(tmp_path: Path) -> None:
     hf, tb = collator_runs(tmp_path)
     assert "checkpoint-3/tokenizer.json" in hf.files
