@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None, trainer_module: str = "transformers") ->
     set_dropout(config, model_args.dropout)
     config.vocab_size = len(tokenizer)
     config.pad_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
-    config.eos_token_id = config.forced_eos_token_id = config.decoder_start_token_id = tokenizer.eos_token_id
+    config.eos_token_id = config.decoder_start_token_id = tokenizer.eos_token_id  # BART starts decoding with </s>
     model = AutoModelForSeq2SeqLM.from_config(config)
     if model.config.decoder_start_token_id is None:
         raise ValueError("Make sure that `config.decoder_start_token_id` is correctly defined")
