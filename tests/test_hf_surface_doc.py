@@ -105,7 +105,7 @@ def test_every_subclass_surface_row_names_a_test_that_exists() -> None:
     default = tests_dir / "differential" / "test_diff_subclass_surface.py"
     for row in rows:
         cell = row.rstrip(" |").rsplit("|", 1)[-1]
-        for name in re.findall(r"`([\w.]+)`", cell):
+        for name in re.findall(r"`([\w./]+)`", cell):
             if name.endswith(".py"):
                 assert (tests_dir / name).is_file(), f"{row}: no tests/{name}"
             else:

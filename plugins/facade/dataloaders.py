@@ -6,6 +6,7 @@ A mixin of ``Trainer``. Train loaders follow HF's ``train_sampling_strategy`` (l
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Mapping
@@ -64,15 +65,9 @@ class TrainerData:
         args = self.args
         seed = args.data_seed if args.data_seed is not None else args.seed
         sampler = None if shuffle else eval_sampler(dataset, str(args.train_sampling_strategy))  # 4.x's draw
-        if shuffle:  # the train set: HF's train_sampling_strategy, lengths read before columns are removed
-            sampler = train_sampler(
-                dataset,
-                str(args.train_sampling_strategy),
-                seed=seed,
-                group_size=args.train_batch_size * args.gradient_accumulation_steps * args.world_size,
-                length_column_name=args.length_column_name,
-                model_input_name=main_input_name_of(self.processing_class),
-            )
+        if shuffle:  # HF's loader asks _get_train_sampler (a subclass's too); lengths read before columns go
+            takes_dataset = bool(inspect.signature(self._get_train_sampler).parameters)  # older overrides: none
+            sampler = self._get_train_sampler(dataset) if takes_dataset else self._get_train_sampler()
         if args.remove_unused_columns:
             dataset = remove_unused_columns(dataset, self._model_for_columns, self.label_names_arg)
         return build_dataloader(
@@ -88,6 +83,19 @@ class TrainerData:
             prefetch_factor=args.dataloader_prefetch_factor,
             multiprocessing_context=args.dataloader_multiprocessing_context,
             sampler=sampler,
+        )
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        """HF's: the train set's sampler, here the length-grouped one with ``train_sampling_strategy=
+        "group_by_length"``, else None (the seeded shuffle); a subclass's override is the loader's sampler."""
+        args = self.args
+        return train_sampler(
+            self.train_dataset if train_dataset is None else train_dataset,
+            str(args.train_sampling_strategy),
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            group_size=args.train_batch_size * args.gradient_accumulation_steps * args.world_size,
+            length_column_name=args.length_column_name,
+            model_input_name=main_input_name_of(self.processing_class),
         )
 
     def get_train_dataloader(self) -> Any:
