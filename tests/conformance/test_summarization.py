@@ -1,11 +1,13 @@
 """Summarization (BART, label smoothing, beam search): transformers' Seq2SeqTrainer vs trainbus's.
 
 transformers is wrong on the evaluation loss when the last eval batch is partial: its evaluation loop
-repeats each batch's mean loss by the loader's batch size, so the 2 examples of the last batch
-weigh as 4 and ``eval_loss`` is the plain mean of the batch means. trainbus weighs each batch by its
-real size: the mean over examples. ``test_eval_loss_is_the_mean_over_examples`` recomputes the batch
-losses (label smoothed, by torch's own cross entropy) from the saved model and pins both; the
-differential test leaves ``eval_loss`` out of the comparison of the final ``evaluate()`` only.
+repeats each batch's mean loss by the loader's batch size and relies on ``gather_for_metrics`` to cut
+the repeats of the last batch down to its real size, but ``Seq2SeqTrainer.evaluate`` / ``predict`` swap
+in ``accelerator.gather``, which cuts nothing (the plain Trainer weighs the batches right). The 2
+examples of the last batch then weigh as 4, and ``eval_loss`` is the plain mean of the batch means.
+trainbus weighs each batch by its size: the mean over examples. ``test_eval_loss_is_the_mean_over_examples``
+recomputes the batch losses (label smoothed, by torch's own cross entropy) from the saved model and
+pins both; the other tests use full eval batches, so every loss compares.
 """
 
 from __future__ import annotations
