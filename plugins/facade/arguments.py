@@ -335,6 +335,13 @@ class TrainingArguments(ProcessArguments):
         data = dataclasses.asdict(self)
         return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in data.items()}
 
+    def __getattr__(self, name: str) -> Any:
+        """A transformers field trainbus takes only at its default reads as that default, as scripts read it
+        (``is_main_process(training_args.local_rank)`` in transformers' examples: -1, as transformers 5 leaves it)."""
+        if name in UNSUPPORTED:
+            return UNSUPPORTED[name][0]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 

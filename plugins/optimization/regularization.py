@@ -48,7 +48,9 @@ def label_smoothed_loss(
     nll = nll.masked_fill(padding, 0.0)
     smoothed = smoothed.masked_fill(padding, 0.0)
     active = padding.numel() - padding.long().sum()
-    return (1 - epsilon) * nll.sum() / active + epsilon * smoothed.sum() / (active * log_probs.shape[-1])
+    # divided before weighted, in HF's order: the gradients agree to the last bit
+    nll_loss, smoothed_loss = nll.sum() / active, smoothed.sum() / (active * log_probs.shape[-1])
+    return (1 - epsilon) * nll_loss + epsilon * smoothed_loss
 
 
 def is_causal_lm(model: torch.nn.Module) -> bool:
