@@ -2,7 +2,7 @@
 
 * data the tests write: documents and their summaries, English and its Pig Latin, and spoken letters
   (one sine tone per letter, numpy-made waveforms) with their transcripts;
-* tokenizers trained here: a byte-level BPE with BART's special tokens, a unigram one with T5's,
+* tokenizers trained here: a byte-level BPE with BART's special tokens, a metaspace BPE with T5's,
   and a character vocab.json for ``Wav2Vec2CTCTokenizer``;
 * the metrics the scripts compute on decoded text (a ROUGE-like overlap, a BLEU-like n-gram
   precision, word and character error rates), written here so nothing is downloaded;
@@ -119,17 +119,18 @@ def write_bart_tokenizer(directory: Path, texts: Iterable[str], vocab_size: int 
     return str(directory)
 
 
-def write_t5_tokenizer(directory: Path, texts: Iterable[str], vocab_size: int = 120) -> str:
-    """A unigram tokenizer trained on ``texts`` with T5's special tokens (<pad>=0, </s>=1, <unk>=2), a
-    metaspace pre-tokenizer as sentencepiece's, and ``</s>`` appended."""
+def write_t5_tokenizer(directory: Path, texts: Iterable[str], vocab_size: int = 250) -> str:
+    """A BPE over sentencepiece's metaspace pre-tokenizer, trained on ``texts``, with T5's special tokens
+    (<pad>=0, </s>=1, <unk>=2) and ``</s>`` appended. (BPE rather than T5's unigram: tokenizers' unigram
+    trainer is not deterministic from run to run, its BPE trainer is.)"""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = Tokenizer(models.Unigram())
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    specials = ["<pad>", "</s>", "<unk>"]
-    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>")
-    tokenizer.train_from_iterator(list(texts), trainer)
+    tokenizer.train_from_iterator(
+        list(texts), trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"])
+    )
     tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     tokenizer.decoder = decoders.Metaspace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
