@@ -183,7 +183,7 @@ KILLED = textwrap.dedent(
 
 def test_a_killed_run_resumed_is_the_same_run_and_a_fresh_rerun_starts_over(tmp_path: Path) -> None:
     killed = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}  # as pytest's sys.path
     run = subprocess.run([sys.executable, "-c", KILLED, str(killed)], cwd=ROOT, env=env, timeout=300)
     assert run.returncode == -signal.SIGKILL
     assert checkpoint_names(killed) == ["checkpoint-4"]
