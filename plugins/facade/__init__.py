@@ -11,8 +11,8 @@ import re
 import sys
 from importlib import metadata
 
-#: the oldest transformers the port is tested on (setup.cfg's extras say the same)
-MIN_TRANSFORMERS = "4.57.0"
+#: the oldest transformers the port is tested on (setup.cfg's extras say the same): 4.57.0 was withdrawn (yanked)
+MIN_TRANSFORMERS = "4.57.1"
 
 
 def installed_transformers() -> str | None:

@@ -312,7 +312,7 @@ def test_metric_never_computed__mirrors_test_best_model_checkpoint_behavior_case
     Its test expects best_metric None and one checkpoint per step, which 4.57 - 5.0 give. But the newest
     transformers evaluates at the last step when eval_strategy="steps" (eval_steps 500 > max_steps), and
     that evaluation has no eval_accuracy (no compute_metrics): it raises KeyError there. trainbus evaluates
-    at the last step too (on every release) and refuses with a ConfigError naming the missing key.
+    at the last step too (on every release) and refuses with a ConfigKeyError naming the missing key.
     """
 
     def scenario(impl, d):
@@ -330,7 +330,7 @@ def test_metric_never_computed__mirrors_test_best_model_checkpoint_behavior_case
     hf, tb = run_both(scenario, tmp_path)
     # trainbus refuses already in Trainer() (it evaluates nothing that could produce eval_accuracy)
     assert hf == ("KeyError" if hf_release.evaluates_after_last_step() else None, 24)
-    assert tb == ("ConfigError", 0)
+    assert tb == ("ConfigKeyError", 0)  # a ConfigError that is also the KeyError transformers raises
 
 
 BEHAVIOR_CASES = {
