@@ -114,4 +114,3 @@ def processing_class_to_save(trainer: Any) -> Any:
     if trainer.processing_class is not None:
         return trainer.processing_class
     return getattr(getattr(trainer, "data_collator", None), "tokenizer", None)
-
