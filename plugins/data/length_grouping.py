@@ -27,6 +27,8 @@ draw (``GroupedEvalDraw``) and the train shuffles after an evaluation stay 4.x's
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -160,17 +162,29 @@ class GroupedEvalDraw(SequentialSampler):
 
 
 def eval_sampler(dataset: Any, strategy: str) -> Sampler[int] | None:
-    """The sampler of an eval / test set: ``GroupedEvalDraw`` for ``"group_by_length"`` under transformers 4.x
-    in one process, else None (the set's order, ``build_dataloader``'s ``SequentialSampler``)."""
+    """The sampler of an eval / test set: ``GroupedEvalDraw`` for ``"group_by_length"`` under a transformers whose
+    eval sets are length-grouped too (4.x to 5.0: their draw from the global generator moves the next train
+    epoch's), in one process; else None (the set's order, ``build_dataloader``'s ``SequentialSampler``)."""
     if strategy != "group_by_length" or isinstance(dataset, DataLoader | IterableDataset) or _several_processes():
         return None
-    try:
-        import transformers
-    except ImportError:
-        return None
-    if int(str(transformers.__version__).split(".")[0]) >= 5 or not hasattr(dataset, "__len__"):
+    if not _transformers_groups_eval_sets() or not hasattr(dataset, "__len__"):
         return None
     return GroupedEvalDraw(range(len(dataset)))
+
+
+@functools.cache
+def _transformers_groups_eval_sets() -> bool:
+    """Whether the installed transformers' Trainer groups eval sets by length drawing from the global generator
+    (its code says: 4.x to 5.0 do; later releases give the sampler a seeded generator of its own)."""
+    try:
+        from transformers import Trainer
+    except ImportError:
+        return False
+    try:
+        source = inspect.getsource(Trainer._get_eval_sampler)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return "LengthGroupedSampler" in source and "generator=" not in source  # newer ones seed their own
 
 
 def grouped_sampler_of(data: Any) -> LengthGroupedEpochSampler | None:

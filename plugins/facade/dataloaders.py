@@ -15,7 +15,13 @@ from typing import Any
 from trainbus.engine import ConfigError
 
 from ..data.length_grouping import eval_sampler, main_input_name_of, train_sampler
-from ..data.loading import RemoveColumnsCollator, build_dataloader, remove_unused_columns, signature_columns
+from ..data.loading import (
+    RemoveColumnsCollator,
+    build_dataloader,
+    is_tokenizer_like,
+    remove_unused_columns,
+    signature_columns,
+)
 
 
 class TrainerData:
@@ -135,3 +141,15 @@ class TrainerData:
         """Input tokens in ``train_dl`` (``input_ids`` elements), over at most ``max_steps`` batches."""
         batches = itertools.islice(train_dl, max_steps)
         return sum(int(b["input_ids"].numel()) for b in batches if isinstance(b, Mapping) and "input_ids" in b)
+
+
+def pads_batches(processing_class: Any) -> bool:
+    """Whether the default collator pads with ``processing_class`` (HF: a tokenizer or a sequence feature
+    extractor; an image processor's ``pad`` is not for dict features). Without transformers: anything
+    tokenizer-like."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+        from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
+    except ImportError:
+        return is_tokenizer_like(processing_class)
+    return isinstance(processing_class, PreTrainedTokenizerBase | SequenceFeatureExtractor)

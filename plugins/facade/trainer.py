@@ -28,7 +28,6 @@ from ..data.loading import (
     DataCollatorWithPadding,
     default_data_collator,
     fetch_one_ahead,
-    is_tokenizer_like,
 )
 from ..distributed.batch_size import train_with_executable_batch_size
 from ..evaluation.collector import PredictionOutput
@@ -47,7 +46,7 @@ from .composition import (
     flo_counter,
     set_seed,
 )
-from .dataloaders import TrainerData
+from .dataloaders import TrainerData, pads_batches
 from .loss_protocol import accepts_loss_kwargs, item_counter
 from .model_card import write_model_card
 from .model_folder import align_special_tokens, applies_use_cache
@@ -118,7 +117,7 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         self.compute_metrics = compute_metrics
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator = data_collator or (
-            DataCollatorWithPadding(processing_class) if is_tokenizer_like(processing_class) else default_data_collator
+            DataCollatorWithPadding(processing_class) if pads_batches(processing_class) else default_data_collator
         )
         if args.eval_strategy != "no" and eval_dataset is None:
             raise ConfigError(f"eval_strategy={args.eval_strategy.value!r} needs an eval_dataset; none was given")

@@ -40,7 +40,7 @@ def qa_style_trainer(impl: Impl) -> type:
             self.post_process_function = post_process_function
             self.evaluations = 0
 
-        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):  # noqa: ANN001, ANN201
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
             self.evaluations += 1
             eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
             eval_dataloader = self.get_eval_dataloader(eval_dataset)
@@ -192,7 +192,7 @@ def copied_training_step_trainer(impl: Impl) -> type:
     """A training_step override that copies HF's body line by line (a common way to add a regulariser)."""
 
     class CopiedStepTrainer(impl.Trainer):  # type: ignore[misc, name-defined]
-        def training_step(self, model, inputs, num_items_in_batch=None):  # noqa: ANN001, ANN201
+        def training_step(self, model, inputs, num_items_in_batch=None):
             model.train()
             if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
                 self.optimizer.train()
@@ -240,7 +240,7 @@ def test_train_dataloader_made_in_train_and_args_read_again(tmp_path: Path) -> N
                 super().__init__(*args, **kwargs)
                 self.loader_calls = 0  # set after super().__init__, as subclasses do
 
-            def get_train_dataloader(self):  # noqa: ANN202
+            def get_train_dataloader(self):
                 self.loader_calls += 1
                 return super().get_train_dataloader()
 
@@ -316,10 +316,10 @@ def test_internals_subclasses_read(tmp_path: Path) -> None:
         seen: dict[str, Any] = {}
 
         class Watcher(impl.TrainerCallback):  # type: ignore[misc, name-defined]
-            def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            def on_step_end(self, args, state, control, **kwargs):
                 seen.setdefault("in_train", trainer.is_in_train)
 
-            def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
+            def on_log(self, args, state, control, logs=None, **kwargs):
                 seen.setdefault("logged", []).append(dict(logs or {}))
 
         args = impl.args(workdir, max_steps=2, logging_steps=1, save_strategy="no", skip_memory_metrics=False)
@@ -361,7 +361,7 @@ def test_subclass_memory_tracker_in_its_evaluate(tmp_path: Path) -> None:
 
     def scenario(impl: Impl, workdir: Path) -> list[str]:
         class Tracked(impl.Trainer):  # type: ignore[misc, name-defined]
-            def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):  # noqa: ANN001, ANN201
+            def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
                 self._memory_tracker.start()
                 output = self.evaluation_loop(
                     self.get_eval_dataloader(eval_dataset), "Evaluation", metric_key_prefix=metric_key_prefix
