@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -147,9 +148,9 @@ def pads_batches(processing_class: Any) -> bool:
     """Whether the default collator pads with ``processing_class`` (HF: a tokenizer or a sequence feature
     extractor; an image processor's ``pad`` is not for dict features). Without transformers: anything
     tokenizer-like."""
-    try:
-        from transformers import PreTrainedTokenizerBase
-        from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
-    except ImportError:
+    if processing_class is None or "transformers" not in sys.modules:  # none of transformers' classes
         return is_tokenizer_like(processing_class)
+    from transformers import PreTrainedTokenizerBase
+    from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
+
     return isinstance(processing_class, PreTrainedTokenizerBase | SequenceFeatureExtractor)

@@ -80,7 +80,11 @@ def test_multiple_choice_accumulation_equals_one_batch(tmp_path: Path) -> None:
     # prediction (epoch fractions count micro-batches, so they come from transformers' accumulated run).
     # The predictions are compared less their mean over the choices: the classifier's bias adds the same
     # to every choice, so its exact gradient is 0 and it moves by rounding noise only (softmax-invariant)
-    found = differences(centred(reference), centred(tb), ignore=["epoch"], files=False)
+    found = differences(centred(reference), centred(tb), ignore=["epoch", "grad_norm"], files=False)
+    # the accumulated gradient is the sum of two half-batch gradients: float32 rounding apart from the
+    # one-batch gradient, compounding over the steps (up to 1.5e-4 of the norm seen with 2 threads)
+    norms = [[r["grad_norm"] for r in run.log_history if "grad_norm" in r] for run in (reference, tb)]
+    assert len(norms[0]) == len(norms[1]) > 0 and norms[1] == pytest.approx(norms[0], rel=1e-3)
     epochs = [[r.get("epoch") for r in run.log_history] for run in (hf, tb)]
     found += [] if epochs[0] == epochs[1] else [f"epochs: transformers {epochs[0]}, trainbus {epochs[1]}"]
     assert not found, f"{len(found)} differences from the one-batch run:\n" + "\n".join(found)
