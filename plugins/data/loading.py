@@ -139,11 +139,13 @@ def fetch_one_ahead(batches: Iterable[Any], note_in_flight: Callable[[Any], None
             upcoming = next(iterator)
         except StopIteration:
             break
-        if probe:
+        if probe:  # once per epoch; a loader that draws nothing then costs no call per batch
             probe = False
             track = not same_rng_state(before, rng_state())  # type: ignore[arg-type]
-        if note_in_flight is not None:
-            note_in_flight(before if track else None)
+            if not track:
+                note_in_flight(None)  # type: ignore[misc]
+        if track:
+            note_in_flight(before)  # type: ignore[misc]
         yield current
         current = upcoming
     if note_in_flight is not None:
