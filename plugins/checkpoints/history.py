@@ -20,14 +20,20 @@ A segment is reused only while the records it was written from are the same obje
 last of the segment, held by the cache) at the same places in ``log_history``: the history is
 append-only (as HF's), and a run that replaces records gets fresh segments. Where the file system
 has no hard links, the segment is written again.
+
+A linked segment is one inode in every checkpoint that lists it, so a damaged one (a flipped bit
+keeps the mtime, and the next save links it again) costs only its records: ``read_log_history``
+warns and reads the checkpoint without them, instead of failing every checkpoint of the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -36,11 +42,12 @@ from trainbus.engine import State
 
 from . import io as cio
 from . import verified
-from .safety import DamagedCheckpoint, plain_name
+from .safety import DamagedCheckpoint, damaged, plain_name
 
 SEGMENT = 256
 FORMAT = "trainbus-log-history"
 MANIFEST_KEY = "log_history_segments"
+logger = logging.getLogger("trainbus.checkpoint")
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 __all__ = ["MANIFEST_KEY", "SEGMENT", "read_log_history", "segment_name", "write_trainer_state"]
@@ -148,19 +155,47 @@ def _untag(value: Any) -> Any:
 
 
 def read_log_history(files: verified.CheckedFiles, manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The records a checkpoint keeps in segments (none for a short run), oldest first, each file checked."""
+    """The records a checkpoint keeps in segments (none for a short run), oldest first, each file checked.
+
+    A segment file that is damaged (altered, truncated, missing, unparsable) costs its own records,
+    with a warning, never the checkpoint: the full segments are hard links shared by every checkpoint
+    of the run, so one flipped bit would otherwise make all of them unresumable, for a log. What the
+    manifest says (the list, each name plain and listed) is the checkpoint's, and damage there is its.
+    """
     names = manifest.get(MANIFEST_KEY, [])
     if not isinstance(names, list):
         raise DamagedCheckpoint(f"{files.manifest_path}: {MANIFEST_KEY} must be a list, got {names!r}")
+    for name in names:
+        if plain_name(name, files.manifest_path) not in files.files:
+            raise DamagedCheckpoint(f"{files.manifest_path} lists the log history segment {name} among no files")
     records: list[dict[str, Any]] = []
     for name in names:
-        path = files.directory / plain_name(name, files.manifest_path)
+        try:
+            records.extend(_read_segment(files, name))
+        except DamagedCheckpoint as exc:
+            _lost(files.directory / name, exc)
+    return records
+
+
+def _read_segment(files: verified.CheckedFiles, name: str) -> list[dict[str, Any]]:
+    path = files.directory / name
+    try:
         data = files.read_bytes(name)
         document = cio.parse_json(data, path)
-        if not isinstance(document, dict) or document.get("format") != FORMAT:
-            raise DamagedCheckpoint(f"checkpoint file {path} is not a {FORMAT} file")
-        segment = document.get("records")
-        if not isinstance(segment, list) or not all(isinstance(r, dict) for r in segment):
-            raise DamagedCheckpoint(f"checkpoint file {path} does not hold a list of log records")
-        records.extend(_untag(segment) if b'"__float__"' in data else segment)
-    return records
+    except Exception as exc:  # a file of the checkpoint made reading fail: damaged, whatever the error
+        raise damaged(path, exc) from exc
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise DamagedCheckpoint(f"checkpoint file {path} is not a {FORMAT} file")
+    segment = document.get("records")
+    if not isinstance(segment, list) or not all(isinstance(r, dict) for r in segment):
+        raise DamagedCheckpoint(f"checkpoint file {path} does not hold a list of log records")
+    return _untag(segment) if b'"__float__"' in data else segment  # type: ignore[no-any-return]
+
+
+def _lost(path: Path, exc: DamagedCheckpoint) -> None:
+    message = (
+        f"the log history segment {path} is damaged ({exc}): its {SEGMENT} log records are lost; the checkpoint "
+        "resumes without them (a segment is shared by the run's checkpoints, so only the log pays)"
+    )
+    logger.warning(message)
+    warnings.warn(message, stacklevel=4)
