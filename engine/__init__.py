@@ -7,7 +7,7 @@ Public API::
 
 from .assembly import UnknownPluginError
 from .bus import EventBus, Handle, Priority
-from .errors import ConfigError, HandlerError, TrainbusError
+from .errors import HANDLER_ERROR_GONE, ConfigError, TrainbusError, _HandlerError
 from .events import (
     BackwardEndEvent,
     BatchStartEvent,
@@ -57,7 +57,6 @@ __all__ = [
     "ExceptionEvent",
     "FilteredEvent",
     "Handle",
-    "HandlerError",
     "LogEvent",
     "LossEvent",
     "OptimizerStepEvent",
@@ -77,3 +76,12 @@ __all__ = [
     "UnknownPluginError",
     "data_length",
 ]
+
+
+def __getattr__(name: str) -> object:  # PEP 562: the deprecated HandlerError warns when used
+    if name == "HandlerError":
+        import warnings
+
+        warnings.warn(HANDLER_ERROR_GONE, DeprecationWarning, stacklevel=2)
+        return _HandlerError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

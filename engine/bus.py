@@ -20,16 +20,16 @@ import itertools
 import logging
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any
 
-from .errors import ConfigError, HandlerError, TrainbusError
+from .errors import ConfigError, note_handler
 from .events import END_EVENTS, Event, EventType, P, event_by_name
 from .filters import EventFilter, FilteredEvent
 from .ordering import EVERY, Order, Phase, Priority, Registration, Targets, ordered, phase_name, target_names
 
 __all__ = [
     "EVERY", "Caller", "EventBus", "Handle", "Handler", "Order", "Phase", "Priority", "Registration", "Targets",
-    "handler_name", "ordered", "phase_name", "wrap_error",
+    "handler_name", "note_handler", "ordered", "phase_name",
 ]  # fmt: skip
 
 logger = logging.getLogger("trainbus.engine")
@@ -188,7 +188,8 @@ class EventBus:
                 try:
                     fn(payload)
                 except Exception as exc:
-                    _reraise(record, exc)
+                    note_handler(exc, record.name, record.event.name)
+                    raise
 
             return call_one
 
@@ -204,7 +205,8 @@ class EventBus:
                 try:
                     record.fn(payload)
                 except Exception as exc:
-                    _reraise(record, exc)
+                    note_handler(exc, record.name, record.event.name)
+                    raise
 
         return call_all
 
@@ -231,9 +233,10 @@ class EventBus:
     def fire(self, event: EventType[P], payload: P) -> None:
         """Count one occurrence of ``event`` and run its handlers in order.
 
-        A handler's exception is re-raised as HandlerError naming the handler and the event.
-        trainbus's own errors (ConfigError, ...) keep their type and get a note naming the handler;
-        KeyboardInterrupt and other BaseExceptions pass through unchanged.
+        A handler's exception reaches the caller as itself (same object, same type, so ``except
+        MyError`` catches it), with the handler and the event attached by ``note_handler``: a PEP 678
+        note and the attributes ``trainbus_handler`` / ``trainbus_event``. KeyboardInterrupt and other
+        BaseExceptions pass through untouched.
         """
         n = self.count(event)
         self.dispatch(event, payload, n)
@@ -249,7 +252,7 @@ class EventBus:
 
         For an END payload: while ``payload.error`` is None every handler runs; once it is set (the
         block failed before, or a handler here just raised, whose error becomes ``payload.error``)
-        only cleanup handlers run. Returns the failures (wrapped as ``_reraise`` would raise them),
+        only cleanup handlers run. Returns the failures (each noted by ``note_handler``, as raised),
         in order; the caller raises or notes them. Never used per step: these events close blocks.
         """
         errors: list[Exception] = []
@@ -266,10 +269,10 @@ class EventBus:
             try:
                 record.fn(payload)
             except Exception as exc:
-                wrapped = wrap_error(record, exc)
-                errors.append(wrapped)
+                note_handler(exc, record.name, record.event.name)
+                errors.append(exc)
                 if has_error and payload.error is None:
-                    payload.error = wrapped
+                    payload.error = exc
         return errors
 
     def enable_trace(self) -> list[tuple[str, str]]:
@@ -277,29 +280,3 @@ class EventBus:
         trace: list[tuple[str, str]] = []
         self.trace = trace
         return trace
-
-
-def wrap_error(record: Registration, exc: Exception) -> Exception:
-    """A failing handler's exception as it is raised: a HandlerError naming the handler and the event.
-
-    trainbus's own errors (ConfigError, ...) already say what is wrong and what is allowed; they
-    keep their type, so callers can catch ConfigError, with a note saying where they came from. A
-    HandlerError from a nested dispatch passes unchanged.
-    """
-    if isinstance(exc, HandlerError):
-        return exc
-    if isinstance(exc, TrainbusError):
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"raised by handler {record.name!r} at event {record.event.name}")
-        return exc
-    wrapped = HandlerError(record.name, record.event.name, exc)
-    wrapped.__cause__ = exc
-    return wrapped
-
-
-def _reraise(record: Registration, exc: Exception) -> NoReturn:
-    """Raise ``wrap_error(record, exc)``: the hot path's error guard (see ``wrap_error``)."""
-    wrapped = wrap_error(record, exc)
-    if wrapped is exc:
-        raise exc
-    raise wrapped from exc

@@ -3,13 +3,17 @@
 Configuration errors are raised at construction time and name the bad value and what is
 allowed. Each is a ``ConfigError`` (a ``ValueError``); where transformers raises another type for the
 same mistake, the subclass named after that type is an instance of both, so ``except RuntimeError``
-in a ported script still catches it. Handler failures are wrapped so the message names the handler and the event.
+in a ported script still catches it. A handler's failure is never wrapped: it reaches the caller as
+itself, with the handler and the event attached by ``note_handler``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import warnings
 from collections.abc import Iterable
+from typing import Any
 
 
 class TrainbusError(Exception):
@@ -47,18 +51,51 @@ class ConfigAssertionError(ConfigError, AssertionError):
     """A ``ConfigError`` where transformers asserts (``EarlyStoppingCallback`` without ``metric_for_best_model``)."""
 
 
-class HandlerError(TrainbusError, RuntimeError):
-    """A handler raised while an event was dispatched.
+def note_handler(error: BaseException, handler: str, event: str) -> None:
+    """Attach the failing handler and its event to ``error``, which then propagates as itself.
 
-    Attributes:
-        handler: the handler's name (``plugin.method`` or the function's qualified name).
-        event: the event's name.
+    Sets ``error.trainbus_handler`` / ``error.trainbus_event`` to the innermost handler (the one that
+    raised; an outer dispatch keeps them) and adds a PEP 678 note per handler it passed through,
+    innermost first, so the traceback reads ``raised by handler 'X' at event LOSS``.
     """
+    if getattr(error, "trainbus_handler", None) is None:
+        with contextlib.suppress(AttributeError):  # an exception type with __slots__: the note still says it
+            error.trainbus_handler = handler  # type: ignore[attr-defined]
+            error.trainbus_event = event  # type: ignore[attr-defined]
+    note = f"raised by handler {handler!r} at event {event}"
+    notes = getattr(error, "__notes__", None)
+    if notes is not None and note in notes:
+        return
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10: no add_note, but tools that know PEP 678 read __notes__
+        with contextlib.suppress(AttributeError):
+            error.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
+
+
+class _HandlerError(TrainbusError, RuntimeError):
+    """Deprecated: the engine no longer raises it (see ``note_handler``); kept so old imports still work."""
 
     def __init__(self, handler: str, event: str, cause: BaseException) -> None:
         super().__init__(f"handler {handler!r} failed at event {event}: {type(cause).__name__}: {cause}")
         self.handler = handler
         self.event = event
+
+
+_HandlerError.__name__ = _HandlerError.__qualname__ = "HandlerError"
+
+HANDLER_ERROR_GONE = (
+    "trainbus.engine.HandlerError is deprecated and never raised: a handler's exception reaches the caller as "
+    "itself (catch its own type); the handler and the event are on it as trainbus_handler / trainbus_event "
+    "and in a note"
+)
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: warn on the deprecated name only
+    if name == "HandlerError":
+        warnings.warn(HANDLER_ERROR_GONE, DeprecationWarning, stacklevel=2)
+        return _HandlerError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def suggest(name: str, allowed: Iterable[str]) -> str:

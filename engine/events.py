@@ -29,6 +29,13 @@ open fires with ``payload.error`` set, and only to handlers registered with ``cl
 others assume a finished block: metrics of a complete pass, the end of a run worth reporting). An
 END runs its cleanup handlers even when an earlier handler of that END failed. See ``lifecycle.py``.
 
+An exception raised in a handler reaches the caller of fit / evaluate / predict as itself: the same
+object, its type unchanged, so ``except MyError:`` catches it (nothing wraps it). It carries the
+failing handler and its event: the attributes ``trainbus_handler`` (``"Plugin.method"`` or the name
+given to ``on``) and ``trainbus_event`` (``"LOSS"``), and a note (PEP 678, shown in the traceback)
+``raised by handler 'Plugin.method' at event LOSS``; a handler failing while the failure path closes
+the run adds a note to the original exception instead of replacing it.
+
 Each ``EventType`` carries its payload class, so ``engine.on(Event.LOSS, fn)`` type-checks ``fn``
 against ``LossEvent``. Calling an event makes a filtered event: ``Event.STEP_END(every=100)``.
 """

@@ -19,6 +19,7 @@ left out of ``state_dict()`` shows.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from .bus import Handle, Priority
-from .errors import ConfigError, HandlerError
+from .errors import ConfigError
 from .events import Event, StepStartEvent, TrainEndEvent
 from .loop import Engine
 from .plugin import check_state
@@ -174,11 +175,8 @@ def _interrupted(engine: Engine, at: int) -> Snapshot:
 
     engine.on(Event.STEP_END, request, priority=Priority.LAST - 100, name="resume_check.request_save")
     engine.on(Event.SAVE, save, priority=Priority.LAST - 100, name="resume_check.save")
-    try:
+    with contextlib.suppress(_Interrupt):  # a handler's exception reaches the caller as itself
         engine.fit()
-    except HandlerError as error:
-        if not isinstance(error.__cause__, _Interrupt):
-            raise
     if not saved:
         raise ConfigError(f"the run never reached step {at}, so nothing was saved")
     return saved

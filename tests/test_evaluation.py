@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainbus.engine import ConfigError, Engine, Event, HandlerError
+from trainbus.engine import ConfigError, Engine, Event
 from trainbus.engine.testing import SyncCounter
 from trainbus.plugins.evaluation.collector import (
     EvalCollector,
@@ -232,10 +232,10 @@ def test_no_host_sync_per_eval_batch(accumulation: int | None) -> None:
 
 def test_compute_metrics_returning_non_numbers() -> None:
     engine = Engine(make_model(), loss_fn=torch.nn.CrossEntropyLoss(), plugins=[EvalCollector(lambda p: {"f": "x"})])
-    with pytest.raises(HandlerError, match=r"metric 'f' is str .*must be numbers"):
+    with pytest.raises(TypeError, match=r"metric 'f' is str .*must be numbers"):
         engine.evaluate(batches(X[:4], Y[:4], 2))
     engine = Engine(make_model(), loss_fn=torch.nn.CrossEntropyLoss(), plugins=[EvalCollector(lambda p: [1.0])])
-    with pytest.raises(HandlerError, match="must return a dict"):
+    with pytest.raises(TypeError, match="must return a dict"):
         engine.evaluate(batches(X[:4], Y[:4], 2))
 
 

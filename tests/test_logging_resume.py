@@ -18,7 +18,7 @@ from facade_helpers import Regressor, quiet_args, regression_data
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainbus.engine import Engine, Event, HandlerError, Priority
+from trainbus.engine import Engine, Event, Priority
 from trainbus.plugins.checkpoints.checkpoint import Checkpointing, resume
 from trainbus.plugins.control.flow import FlowControl
 from trainbus.plugins.facade.trainer import Trainer
@@ -116,7 +116,7 @@ def test_resume_reproduces_log_history_wherever_the_checkpoint_falls(
 
     cut.on(Event.STEP_END, request)
     cut.on(Event.SAVE, crash, priority=Priority.LAST)
-    with pytest.raises(HandlerError, match="killed"):
+    with pytest.raises(RuntimeError, match="killed"):
         cut.fit()
     resumed = build(tmp_path_factory.mktemp("resumed"), config)
     resume(resumed, out / f"checkpoint-{at}")

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as hs
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from trainbus.engine import ConfigError, Engine, Event, HandlerError, Plugin, Priority
+from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority
 from trainbus.engine.events import BatchStartEvent, LossEvent, StepEndEvent
 from trainbus.plugins.checkpoints.checkpoint import Checkpointing, resume
 from trainbus.plugins.optimization.accumulation import GradientAccumulation
@@ -135,7 +135,7 @@ def run_interrupted(config: dict[str, int], output_dir: Path, kind: str, at: int
 
     engine.on(Event.STEP_END if kind == "step" else Event.EPOCH_END, request)
     engine.on(Event.SAVE, crash, priority=Priority.LAST)
-    with pytest.raises(HandlerError, match="simulated crash"):
+    with pytest.raises(Crash, match="simulated crash"):
         engine.fit()
 
 
