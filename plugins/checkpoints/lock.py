@@ -53,6 +53,7 @@ from trainbus.engine import ConfigError, Engine
 
 from ..distributed.processes import broadcast_from_main, rank
 from .directory import finish_set_aside, set_aside
+from .lock_errors import check_regular, unusable
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -85,12 +86,19 @@ class OutputDirLock:
 
     @classmethod
     def acquire(cls, output_dir: str | Path) -> OutputDirLock:
-        """The lock of ``output_dir`` (created), or OutputDirInUse naming the holder."""
+        """The lock of ``output_dir`` (created), or OutputDirInUse naming the holder.
+
+        Any other failure (a read-only or lockless filesystem, no permission, a lock file that is not a
+        regular file, a full disk) is a ConfigError naming the path and what to do (``lock_errors.py``),
+        and leaves nothing locked.
+        """
         root = Path(output_dir)
         try:
             root.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError) as exc:
             raise ConfigError(f"output_dir={str(root)!r} is not a directory: {exc}") from exc
+        except OSError as exc:
+            raise unusable(root, exc, creating=True) from exc
         key = os.path.realpath(root)
         held = cls._held.get(key)
         if held is not None:
@@ -102,30 +110,44 @@ class OutputDirLock:
         return lock
 
     def _take(self) -> None:
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        # O_NONBLOCK: a FIFO in its place must not block the open (it is refused below)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         while True:
-            fd = os.open(self.path, flags, 0o644)
             try:
+                fd = os.open(self.path, flags, 0o644)
+            except OSError as exc:
+                raise unusable(self.path, exc) from exc
+            try:
+                check_regular(fd, self.path)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 os.close(fd)
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
+                    raise unusable(self.path, exc) from exc
                 raise OutputDirInUse(
                     f"output_dir {self.path.parent} is in use by another training run ({describe(self.holder())}): "
                     "two runs in one output_dir overwrite and rotate away each other's checkpoints. Wait for that "
                     "run to end (its lock goes with its process), or give this run another output_dir"
                 ) from None
+            except BaseException:
+                os.close(fd)
+                raise
             if _same_file(fd, self.path):
                 break
             os.close(fd)  # its holder removed the file as we opened it: lock the one now there
-        holder = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        try:
+            holder = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            }
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except BaseException as exc:
+            os.close(fd)  # a failed acquisition keeps no lock (closing our only descriptor drops it)
+            if isinstance(exc, OSError):
+                raise unusable(self.path, exc, writing=True) from exc
+            raise
         self.fd = fd
 
     def holder(self) -> dict[str, Any]:
@@ -158,6 +180,24 @@ class OutputDirLock:
                 os.close(fd)  # closing the last descriptor drops the flock
 
 
+def _forget_in_child() -> None:
+    """In a forked child (a DataLoader worker): close the inherited lock descriptors and forget the holds.
+
+    A flock belongs to the open file description, which fork shares: a child keeping its copy would hold
+    the lock after the main process died (idle workers for seconds, a hung one for as long as it hangs).
+    Closing a copy never unlocks the parent's (only LOCK_UN or closing the last copy does).
+    """
+    for lock, _ in OutputDirLock._held.values():
+        if lock.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock.fd)
+            lock.fd = None
+    OutputDirLock._held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         here = os.stat(path, follow_symlinks=False)
@@ -174,17 +214,18 @@ def describe(holder: dict[str, Any]) -> str:
 
 
 def lock_on_main(output_dir: str | Path) -> OutputDirLock | None:
-    """``output_dir``'s lock, taken on rank 0 (None on the others); every rank raises if it is taken."""
+    """``output_dir``'s lock, taken on rank 0 (None on the others); every rank raises if it is taken
+    (OutputDirInUse) or cannot be taken (ConfigError: ``lock_errors``)."""
     lock: OutputDirLock | None = None
     error = None
     if rank() == 0:
         try:
             lock = OutputDirLock.acquire(output_dir)
         except ConfigError as exc:
-            error = str(exc)
+            error = (isinstance(exc, OutputDirInUse), str(exc))
     error = broadcast_from_main(error)
     if error is not None:
-        raise OutputDirInUse(error)
+        raise (OutputDirInUse if error[0] else ConfigError)(error[1])
     return lock
 
 
