@@ -33,6 +33,7 @@ import torch
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 from trainbus.engine.errors import check_positive_int
 
+from .attempt_group import init_attempt_group
 from .deepspeed import ZeroSteps
 from .fsdp import local_grad_norm, shard_model
 from .processes import close_group_at_exit, world_size
@@ -121,6 +122,7 @@ class Distributed(Plugin):
 
             device = engine.device
             cpu = not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu")
+            init_attempt_group(cpu=cpu and self.deepspeed is None)  # a torchrun restart's group on its own store
             handlers = [DistributedDataParallelKwargs(**self.ddp_options)] if self.ddp_options else []
             if self.deepspeed is not None:  # accelerate runs DeepSpeed only with cpu=False (DS_ACCELERATOR: the device)
                 from accelerate.state import AcceleratorState

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from ..distributed.attempt_group import init_attempt_group
 from .argument_checks import LOG_LEVELS
 
 logger = logging.getLogger("trainbus")
@@ -64,6 +65,8 @@ class ProcessArguments:
                 kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=self.ddp_timeout)}
                 if self.ddp_backend is not None:
                     kwargs["backend"] = self.ddp_backend
+                # a torchrun attempt makes its group on a store of its own: a restart reconnects
+                init_attempt_group(self.ddp_backend, cpu=cpu, timeout=kwargs["timeout"])
                 self.__dict__["_processes"] = PartialState(cpu=cpu, **kwargs)
         return self.__dict__["_processes"]
 
