@@ -51,14 +51,16 @@ def rotate_checkpoints(
     """
     root = Path(output_dir)
     try:
-        tidy(root)
+        tidy(root)  # names only: one listing, no file read
     except OSError as exc:
         warn(f"checkpoint rotation could not tidy {root}: {exc}; the run goes on")
+    if limit is None:  # nothing to delete: no manifest read, so a save costs the same at 10 or 10,000
+        return []
     found = list_checkpoints(output_dir)
-    if limit is None or not found:
+    if not found:
         return []
     best_step = next((step for step, path in found if same_path(best, path)), None)
-    ours = [step for path in written for step, found_path in found if same_path(path, found_path)]
+    ours = _ours(root, found, written)
     by_recency = [step for step, _ in found if step not in ours] + ours
     keep = checkpoints_to_keep(by_recency, limit, best_step)
     deleted = []
@@ -66,6 +68,23 @@ def rotate_checkpoints(
         if step not in keep and delete_or_warn(path):
             deleted.append(path)
     return deleted
+
+
+def _ours(root: Path, found: list[tuple[int, Path]], written: Sequence[str | Path]) -> list[int]:
+    """The steps of ``found`` that ``written`` lists, in its order: matched by name, each folder resolved once
+    (not every path the run wrote against every checkpoint there: that grew with the run)."""
+    steps = {path.name: step for step, path in found}
+    here = root.resolve()
+    folders: dict[Path, bool] = {}
+    ours = []
+    for path in map(Path, written):
+        if path.name in steps:
+            inside = folders.get(path.parent)
+            if inside is None:
+                inside = folders[path.parent] = path.parent.resolve() == here
+            if inside:
+                ours.append(steps[path.name])
+    return ours
 
 
 def delete_or_warn(path: Path) -> bool:
