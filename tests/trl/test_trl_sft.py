@@ -1,0 +1,96 @@
+"""SFT under ``trl`` and under ``trainbus.trl``, the same script with only the import changed.
+
+Every log record is compared key by key (loss, grad_norm, learning_rate, TRL's ``entropy``,
+``mean_token_accuracy``, ``num_tokens``, the eval metrics) at rtol 1e-5, and the output folders file by
+file (weights tensor by tensor, configs and tokenizer files as JSON, trainer_state.json's history).
+
+Where TRL is not exact the test shows it independently and keeps trainbus's value: on transformers releases
+that count a GPT-2's ``num_items_in_batch`` over unshifted labels (``GPT2LMHeadModel.loss_type`` is None),
+TRL divides the window's token loss sum by one token per sequence too many; the differential run then
+corrects transformers' count (``hf_release.hf_counting_shifted_labels``) and
+``test_gpt2_logged_loss_is_the_token_mean`` computes the first step's loss by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import hf_release
+import pytest
+import torch
+from conformance.harness import differences
+from trl_jobs import IMPLEMENTATIONS, as_run, common_config, logged, sft_script, text_rows, tiny_model
+
+
+def run_pair(
+    tmp_path: Path,
+    tokenizer_dir: str,
+    model_type: str,
+    rows: list,
+    eval_rows: list | None = None,
+    peft_config: object = None,
+    **config: object,
+) -> dict:
+    """The script under trl (its causal-LM item count corrected where transformers miscounts) and trainbus."""
+    runs = {}
+    for name in IMPLEMENTATIONS:
+        fix = name == "trl" and hf_release.hf_counts_unshifted(tiny_model(model_type, 64))
+        with hf_release.hf_counting_shifted_labels() if fix else contextlib.nullcontext():
+            trainer = sft_script(name, tokenizer_dir, model_type, rows, common_config(tmp_path / name, **config),
+                                 eval_rows=eval_rows, peft_config=peft_config)  # fmt: skip
+        runs[name] = (trainer, as_run(name, trainer))
+    return runs
+
+
+def assert_same(runs: dict) -> None:
+    found = differences(runs["trl"][1], runs["trainbus"][1])
+    assert not found, f"{len(found)} differences from trl:\n" + "\n".join(found)
+    assert logged(runs["trainbus"][0], "mean_token_accuracy"), "TRL's metrics were not logged"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_sft_plain_text_matches_trl(tmp_path: Path, tokenizer_dir: str, model_type: str) -> None:
+    """Plain text, truncated to max_length, accumulation 2 over micro-batches of uneven token counts (the
+    last one a partial batch), gradient checkpointing on (TRL's default), a checkpoint every epoch."""
+    runs = run_pair(tmp_path, tokenizer_dir, model_type, text_rows(14, 1), eval_rows=text_rows(5, 2), max_length=12,
+                    gradient_accumulation_steps=2, eval_strategy="epoch")  # fmt: skip
+    assert_same(runs)
+    history = runs["trainbus"][0].state.log_history
+    assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(history[0])
+    assert any("eval_mean_token_accuracy" in r for r in history)
+
+
+def test_gpt2_logged_loss_is_the_token_mean(tmp_path: Path, tokenizer_dir: str) -> None:
+    """The first window's loss at learning rate 0, by hand: trainbus logs the mean over the predicted tokens;
+    TRL on a transformers release that counts GPT-2's labels unshifted logs the sum over one token per sequence
+    too many (both the installed release's behaviour, asked of it)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    rows = text_rows(8, 3)
+    config = {"max_steps": 1, "learning_rate": 0.0, "gradient_accumulation_steps": 2, "save_strategy": "no",
+              "max_length": 12}  # fmt: skip
+    trainers = {n: sft_script(n, tokenizer_dir, "gpt2", rows, common_config(tmp_path / n, **config))
+                for n in IMPLEMENTATIONS}  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = tiny_model("gpt2", len(tokenizer)).eval()
+    prepared = trainers["trainbus"].train_dataset
+    assert isinstance(prepared, Dataset)
+    order = torch.randperm(len(prepared), generator=torch.Generator().manual_seed(42)).tolist()  # seeded sampler
+    collate = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)
+    total, predicted, counted = 0.0, 0, 0
+    for start in (0, 4):  # the window: 2 micro-batches of 4
+        batch = collate([prepared[i] for i in order[start : start + 4]])
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"]
+        total += float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                         reduction="sum"))  # fmt: skip
+        predicted += int((labels[:, 1:] != -100).sum())
+        counted += int((labels != -100).sum())
+    assert counted == predicted + 8
+    trl_items = counted if hf_release.hf_counts_unshifted(model) else predicted
+    assert logged(trainers["trl"], "loss")[0] == pytest.approx(total / trl_items, rel=1e-5)
+    assert logged(trainers["trainbus"], "loss")[0] == pytest.approx(total / predicted, rel=1e-5)
