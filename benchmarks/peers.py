@@ -330,6 +330,10 @@ def _make_setup(job: Job, device_name: str, warm: int, timed: int, counted: int,
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=64) if tiny else GPT2Config()
+        # as transformers 5's Trainer does (TrainingArguments.use_cache=False) in every loop, so each does the
+        # same work: no KV cache built in training; the model then checks position_ids for packed sequences,
+        # one host read per forward (transformers' masking_utils), in every loop alike
+        config.use_cache = False
         model = GPT2LMHeadModel(config)
         base = []
         for _ in range(512):

@@ -373,15 +373,16 @@ class Engine(Passes, Assembly, Lifecycle):
                         call(scored, state.micro_steps)
                         loss = scored.loss
                         del scored
-                    backward(loss)
-                    if call := callers[_BACKWARD_END]:
-                        call(BackwardEndEvent(self, loss, state.micro_steps - first, size), state.micro_steps)
-                    # free this micro-batch's outputs now, not after the next forward: an LLM's logits
-                    # alone can take gigabytes. ``loss`` stays until the next micro-batch's replaces it,
+                    # free this micro-batch's outputs before its backward, as a hand-written
+                    # ``loss = model(**batch).loss`` does: an LLM's logits alone can take gigabytes, and
+                    # backward needs only the graph. ``loss`` stays until the next micro-batch's replaces it,
                     # as in a loop written by hand: after backward its graph is bare nodes, and holding
                     # them keeps the parameters' AccumulateGrad nodes, which the next forward then
                     # reuses instead of building anew (1% of the instructions of the benchmark MLP's step)
                     del outputs
+                    backward(loss)
+                    if call := callers[_BACKWARD_END]:
+                        call(BackwardEndEvent(self, loss, state.micro_steps - first, size), state.micro_steps)
                 vetoed = False
                 if call := callers[_BEFORE_OPTIMIZER_STEP]:
                     check = BeforeOptimizerStepEvent(self)
