@@ -94,3 +94,32 @@ def test_gpt2_logged_loss_is_the_token_mean(tmp_path: Path, tokenizer_dir: str) 
     trl_items = counted if hf_release.hf_counts_unshifted(model) else predicted
     assert logged(trainers["trl"], "loss")[0] == pytest.approx(total / trl_items, rel=1e-5)
     assert logged(trainers["trainbus"], "loss")[0] == pytest.approx(total / predicted, rel=1e-5)
+
+
+def without_timing(history: list) -> list:
+    return [{k: v for k, v in r.items() if not k.endswith(("_runtime", "_per_second"))} for r in history]
+
+
+def test_sft_resume_is_the_uninterrupted_run(tmp_path: Path, tokenizer_dir: str) -> None:
+    """A resume from a checkpoint inside a logging window (step 3 of windows of 2 steps) logs what the
+    uninterrupted run logs, bit for bit, TRL's metrics included, and ends with the same weights.
+
+    TRL keeps its metrics outside the checkpoint: its resumed run counts ``num_tokens`` from 0 again and
+    loses the open window's values (shown on its own resumed run)."""
+    rows = text_rows(14, 4)
+    config = {"max_steps": 6, "save_strategy": "steps", "save_steps": 3, "logging_steps": 2, "max_length": 12,
+              "gradient_accumulation_steps": 2}  # fmt: skip
+    full, resumed = {}, {}
+    for name in IMPLEMENTATIONS:
+        full[name] = sft_script(name, tokenizer_dir, "llama", rows, common_config(tmp_path / name, **config))
+        checkpoint = str(tmp_path / name / "checkpoint-3")
+        resumed[name] = sft_script(name, tokenizer_dir, "llama", rows, common_config(tmp_path / f"{name}-resumed",
+                                   **config), resume=checkpoint)  # fmt: skip
+    tb, tb_resumed = full["trainbus"], resumed["trainbus"]
+    assert without_timing(tb_resumed.state.log_history) == without_timing(tb.state.log_history)
+    for a, b in zip(tb.model.state_dict().values(), tb_resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    # TRL: after the resume, num_tokens counts only the tokens seen since it
+    trl_tokens, trl_resumed_tokens = logged(full["trl"], "num_tokens"), logged(resumed["trl"], "num_tokens")
+    assert trl_tokens == logged(tb, "num_tokens")
+    assert trl_resumed_tokens[-1] < trl_tokens[-1]
