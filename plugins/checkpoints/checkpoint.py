@@ -47,6 +47,7 @@ from trainbus.engine.events import (
 
 from ..control.flow import SaveSchedule, interval
 from ..control.strategies import SaveStrategy
+from ..data.loading import ensure_resumable_data
 from ..distributed.processes import barrier, gather_to_main, rank
 from . import io as cio
 from .directory import PREFIX, latest_checkpoint, list_checkpoints, publish_directory
@@ -295,6 +296,7 @@ class Checkpointing(Plugin):
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.SAVE, self.save)
+        ensure_resumable_data(engine)  # exact mid-epoch resumes: each epoch's data order is kept (data/replay.py)
         # one run per output_dir (lock.py): held from the start of training to its end, also after an error
         self.on(engine, Event.TRAIN_START, self._take_lock, priority=Priority.FIRST, before="*")
         self.on(engine, Event.TRAIN_END, self._release_lock, priority=Priority.LAST, after="*", cleanup=True)

@@ -23,6 +23,7 @@ from typing import Any
 from trainbus.engine import ConfigError, Engine, Event, Priority
 from trainbus.engine.events import EpochStartEvent, Payload
 
+from ..data.loading import ensure_resumable_data, find_resumable_data
 from ..distributed.processes import broadcast_from_main, rank
 from . import io as cio
 from . import verified
@@ -164,6 +165,7 @@ def resume(engine: Engine, checkpoint: str | Path | bool, output_dir: str | Path
         chosen.append(choose_and_read(checkpoint, output_dir))
         return chosen[0].path
 
+    ensure_resumable_data(engine)  # the data plugin replays the interrupted epoch's order (data/replay.py)
     path = chosen_by_main(choose)
     # rank 0 read and checked it whole; the other ranks read their part (their slices checked as read)
     loaded = chosen[0] if chosen else read_checkpoint(path, verify=False)
@@ -280,11 +282,12 @@ def _replay_through_data(engine: Engine, rng: dict[str, Any]) -> Any:
     """A mid-epoch resume: the data plugin sets the RNG states right before the resumed epoch's first fetches
     (the batch that was in flight first, made from its own states), so batches drawn in this process (random
     masks, crops) and every draw after them are the uninterrupted run's. Returns its token, or None."""
-    data = _attached(engine, "ResumableData")
+    in_flight, epoch_start = rng.pop("in_flight", None), rng.pop("epoch_start", None)
+    data = find_resumable_data(engine)
     if data is None or engine.state.batches_in_epoch == 0 or getattr(data, "ignore_data_skip", False):
         return None
-    states = [rng.pop("in_flight"), rng] if "in_flight" in rng else [rng]
-    return data.replay_rng(states)
+    states = [rng] if in_flight is None else [in_flight, rng]
+    return data.replay_rng(states, epoch_start)
 
 
 class _RestoreRng:

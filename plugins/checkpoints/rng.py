@@ -13,11 +13,19 @@ from ..data.rng import set_rng_state as set_rng_state
 
 
 def checkpoint_rng_state(engine: Any) -> dict[str, Any]:
-    """This process's RNG states for a checkpoint, with ``in_flight``: the states as the batch fetched ahead
-    of this step started being made (``engine.rng_in_flight``, set by a loader that fetches one ahead and
-    draws in this process), so a resume makes that batch again from the same draws."""
+    """This process's RNG states for a checkpoint, with
+
+    * ``in_flight``: the states as the batch fetched ahead of this step started being made
+      (``engine.rng_in_flight``, set by a loader that fetches one ahead and draws in this process), so a
+      resume makes that batch again from the same draws;
+    * ``epoch_start``: the states the epoch's data order was drawn from (``engine.rng_epoch_start``, set
+      by the data plugin: ``data/replay.py``), so a resume draws the same order again.
+    """
     state = rng_state()
     in_flight = getattr(engine, "rng_in_flight", None)
     if in_flight is not None:
         state["in_flight"] = in_flight
+    epoch_start = getattr(engine, "rng_epoch_start", None)
+    if epoch_start is not None:
+        state["epoch_start"] = epoch_start
     return state

@@ -32,7 +32,16 @@ from .collators import (
     remove_unused_columns,
     signature_columns,
 )
-from .rng import rng_state, same_rng_state, set_rng_state
+from .replay import (
+    RngReplay,
+    epoch_start_states,
+    make_pool_quietly,
+    needs_new_pool,
+    set_epoch_start_states,
+    skip_first_batches,
+    warn_unless_replayable,
+)
+from .rng import rng_state, same_rng_state
 
 
 class EpochSampler(Sampler[int]):
@@ -64,44 +73,15 @@ class EpochSampler(Sampler[int]):
         self.epoch += 1
 
 
-class _SkipBatchSampler(Sampler[list[int]]):
-    """The batches of ``inner`` after the first ``skip``: indices only, no example is loaded."""
-
-    def __init__(self, inner: Iterable[list[int]], skip: int, length: int) -> None:
-        self.inner = inner
-        self.skip = skip
-        self.length = length
-
-    def __len__(self) -> int:
-        return max(self.length - self.skip, 0)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return itertools.islice(iter(self.inner), self.skip, None)
-
-
-def skip_first_batches(loader: DataLoader[Any], skip: int) -> DataLoader[Any]:
-    """A loader over the same data and order without its first ``skip`` batches, not loading them."""
-    batch_sampler = loader.batch_sampler
-    if batch_sampler is None or isinstance(loader.dataset, IterableDataset):
-        raise ConfigError("skip_first_batches needs a map-style DataLoader with a batch sampler")
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=_SkipBatchSampler(batch_sampler, skip, len(batch_sampler)),  # type: ignore[arg-type]
-        collate_fn=loader.collate_fn,
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context if loader.num_workers > 0 else None,
-        persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
-    )
-
-
-def resumable_epoch_iterator(data: Iterable[Any], epoch: int, skip_batches: int) -> Iterator[Any]:
+def resumable_epoch_iterator(
+    data: Iterable[Any], epoch: int, skip_batches: int, replay: RngReplay | None = None
+) -> Iterator[Any]:
     """The batches of epoch ``epoch``; a map-style DataLoader skips ``skip_batches`` in its sampler.
 
     The sampler's ``set_epoch`` is called first so the skipped prefix is the one the interrupted
     run consumed. Other data falls back to skipping by iteration (an iterable dataset has no index).
+    ``replay`` (a mid-epoch resume): the epoch's order is drawn again from the states of its start,
+    and the checkpoint's states are set once the consumed batches are skipped (``replay.py``).
     """
     sampler = getattr(data, "sampler", None)
     owners = (data, sampler, getattr(data, "batch_sampler", None), getattr(data, "dataset", None))
@@ -113,10 +93,35 @@ def resumable_epoch_iterator(data: Iterable[Any], epoch: int, skip_batches: int)
     dataset = getattr(data, "dataset", None)
     if isinstance(dataset, SeededBatches):  # its workers' seeds (a sampler's set_epoch above is separate)
         dataset.set_epoch(epoch)
+    if replay is None:
+        if skip_batches and isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
+            return iter(skip_first_batches(data, skip_batches))
+        iterator = iter(data)
+        return itertools.islice(iterator, skip_batches, None) if skip_batches else iterator
+    return replay.wrap(_replayed_epoch(data, skip_batches, replay))
+
+
+def _replayed_epoch(data: Iterable[Any], skip_batches: int, replay: RngReplay) -> Iterator[Any]:
+    """The resumed epoch's iterator, made from the epoch's starting states, its order drawn, the
+    consumed batches skipped and the checkpoint's first states set (``replay.first``)."""
+    start = replay.epoch_start
+    restart = None
+    if start is not None:
+        set_epoch_start_states(data, start)
+        if not start.get("base_seed", True):  # the uninterrupted run reused its pool: drew no base seed
+            restart = lambda: set_epoch_start_states(data, start)  # noqa: E731
     if skip_batches and isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
-        return iter(skip_first_batches(data, skip_batches))
+        loader = skip_first_batches(data, skip_batches, drawn=replay.first, restart=restart)
+        iterator = iter(loader)
+        loader.batch_sampler.prime()  # type: ignore[union-attr]  # done already if workers prefetched
+        return iterator
+    if restart is not None and needs_new_pool(data):
+        make_pool_quietly(data)
     iterator = iter(data)
-    return itertools.islice(iterator, skip_batches, None) if skip_batches else iterator
+    for _ in itertools.islice(iterator, skip_batches):  # made, as the data cannot skip by index
+        pass
+    replay.first()
+    return iterator
 
 
 def fetch_one_ahead(batches: Iterable[Any], note_in_flight: Callable[[Any], None] | None = None) -> Iterator[Any]:
@@ -153,27 +158,17 @@ def fetch_one_ahead(batches: Iterable[Any], note_in_flight: Callable[[Any], None
     yield current
 
 
-class RngReplay:
-    """RNG states to set right before the resumed epoch's first fetches; ``used`` once they were."""
-
-    def __init__(self, states: list[Any]) -> None:
-        self.states = states
-        self.used = False
-
-    def wrap(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        for state in self.states:
-            set_rng_state(state)
-            self.used = True
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            yield batch
-        yield from iterator
+IMPLICIT = "_implicit_resumable_data"  # the engine's attribute for the one ensure_resumable_data attached
 
 
 class ResumableData(Plugin):
-    """Makes ``epoch_iterator`` skip consumed batches in the sampler (D3); stateless.
+    """Makes ``epoch_iterator`` skip consumed batches in the sampler (D3) and replay the epoch's order.
+
+    Each epoch's starting random states are kept for checkpoints (``engine.rng_epoch_start``), so a
+    mid-epoch resume draws the same order from a loader whose sampler draws from a generator
+    (``DataLoader(shuffle=True)``) and every draw after it is the uninterrupted run's (``replay.py``).
+    A sampler that cannot be replayed is reported with a warning when this plugin attaches.
+    ``Checkpointing`` attaches one when the composition has none (``ensure_resumable_data``).
 
     Args:
         ignore_data_skip: on a mid-epoch resume, start the interrupted epoch again from its first
@@ -186,21 +181,35 @@ class ResumableData(Plugin):
         self.ignore_data_skip = ignore_data_skip
 
     def attach(self, engine: Engine) -> None:
+        implicit = getattr(engine, IMPLICIT, None)
+        if implicit is not None:  # one attached for a checkpoint plugin (ensure_resumable_data): this one rules
+            implicit.detach(engine)
+            setattr(engine, IMPLICIT, None)
         self._replay: RngReplay | None = None
+        self._engine = engine
         self.wrap_hook(engine, "epoch_iterator", lambda inner: self._epoch_iterator)
         if self.ignore_data_skip:
             # first: every other TRAIN_START handler sees the epoch restarted
             self.on(engine, Event.TRAIN_START, self._restart_epoch, priority=Priority.FIRST)
+        warn_unless_replayable(engine.train_data)
 
-    def replay_rng(self, states: list[Any]) -> RngReplay:
-        """Set ``states`` (a checkpoint's, the in-flight batch's first) before the next epoch's first fetches."""
-        self._replay = RngReplay(states)
+    def replay_rng(self, states: list[Any], epoch_start: dict[str, Any] | None = None) -> RngReplay:
+        """Draw the next epoch's order from ``epoch_start`` (the interrupted epoch's starting states), then
+        set ``states`` (a checkpoint's, the in-flight batch's first) before that epoch's first fetches."""
+        self._replay = RngReplay(states, epoch_start)
         return self._replay
 
     def _epoch_iterator(self, data: Iterable[Any], epoch: int, skip_batches: int) -> Iterator[Any]:
-        iterator = resumable_epoch_iterator(data, epoch, skip_batches)
         replay, self._replay = self._replay, None
-        return iterator if replay is None else replay.wrap(iterator)
+        engine = self._engine
+        if replay is not None:
+            start = replay.epoch_start  # the interrupted epoch's, kept by checkpoints written later in it
+        else:
+            if engine.state.global_step > 0 and needs_new_pool(data):
+                make_pool_quietly(data)  # a resumed run: the uninterrupted one reused its pool here
+            start = epoch_start_states(data)
+        engine.rng_epoch_start = start  # type: ignore[attr-defined]
+        return resumable_epoch_iterator(data, epoch, skip_batches, replay)
 
     def _restart_epoch(self, ev: TrainStartEvent) -> None:
         state = ev.engine.state
@@ -208,6 +217,25 @@ class ResumableData(Plugin):
             state.batches_in_epoch = 0
             state.epoch_step = 0
             state.epoch = float(state.epochs_completed)
+
+
+def find_resumable_data(engine: Engine) -> ResumableData | None:
+    """The engine's data plugin: one attached as a plugin, else the one ``ensure_resumable_data`` attached."""
+    added = next((p for p in engine.plugins if isinstance(p, ResumableData)), None)
+    return added if added is not None else getattr(engine, IMPLICIT, None)
+
+
+def ensure_resumable_data(engine: Engine) -> None:
+    """Attach a ``ResumableData`` unless the composition has one (``Checkpointing`` and ``resume`` call this).
+
+    Checkpoints need it for exact resumes: it keeps each epoch's starting random states and skips the
+    consumed batches in the sampler. It is attached, not added: not among ``engine.plugins``, so
+    checkpoints name no extra plugin and one a user adds later (``ignore_data_skip=True``) replaces it.
+    """
+    if find_resumable_data(engine) is None:
+        plugin = ResumableData()
+        plugin.attach(engine)
+        setattr(engine, IMPLICIT, plugin)
 
 
 def check_multiprocessing_context(context: str | None, num_workers: int) -> None:
@@ -351,6 +379,7 @@ __all__ = [
     "check_multiprocessing_context",
     "fetch_one_ahead",
     "default_data_collator",
+    "ensure_resumable_data",
     "is_tokenizer_like",
     "remove_unused_columns",
     "resumable_epoch_iterator",
