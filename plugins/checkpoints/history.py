@@ -42,7 +42,7 @@ from trainbus.engine import State
 
 from . import io as cio
 from . import verified
-from .safety import DamagedCheckpoint, damaged, plain_name
+from .safety import DamagedCheckpoint, check_parse_cost, damaged, parse_cost, plain_name
 
 SEGMENT = 256
 FORMAT = "trainbus-log-history"
@@ -50,7 +50,7 @@ MANIFEST_KEY = "log_history_segments"
 logger = logging.getLogger("trainbus.checkpoint")
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
-__all__ = ["MANIFEST_KEY", "SEGMENT", "read_log_history", "segment_name", "write_trainer_state"]
+__all__ = ["MANIFEST_KEY", "SEGMENT", "read_log_history", "segment_name", "untag", "write_trainer_state"]
 
 
 class _Segment(NamedTuple):
@@ -144,13 +144,14 @@ def _tag(value: Any) -> Any:
     return value
 
 
-def _untag(value: Any) -> Any:
+def untag(value: Any) -> Any:
+    """The non-finite floats ``_tag`` (and State.to_json) wrote as ``{\"__float__\": ...}``, back."""
     if isinstance(value, dict):
         if set(value) == {"__float__"} and value["__float__"] in _NONFINITE:
             return _NONFINITE[value["__float__"]]
-        return {k: _untag(v) for k, v in value.items()}
+        return {k: untag(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_untag(v) for v in value]
+        return [untag(v) for v in value]
     return value
 
 
@@ -169,18 +170,26 @@ def read_log_history(files: verified.CheckedFiles, manifest: Mapping[str, Any]) 
         if plain_name(name, files.manifest_path) not in files.files:
             raise DamagedCheckpoint(f"{files.manifest_path} lists the log history segment {name} among no files")
     records: list[dict[str, Any]] = []
+    read = [0, 0, 0, 0]  # the bytes and the parse cost of the segments so far: bounded together
     for name in names:
+        path = files.directory / name
         try:
-            records.extend(_read_segment(files, name))
+            data = files.read_bytes(name)
+        except Exception as exc:  # missing, altered: this segment's records only
+            _lost(path, damaged(path, exc))
+            continue
+        read = [a + b for a, b in zip(read, (len(data), *parse_cost(data)), strict=True)]
+        # the checkpoint's: a flipped bit does not make many files of empty objects (safety.check_parse_cost)
+        check_parse_cost((read[1], read[2], read[3]), read[0], f"the log history of {files.directory}")
+        try:
+            records.extend(_parse_segment(data, path))
         except DamagedCheckpoint as exc:
-            _lost(files.directory / name, exc)
+            _lost(path, exc)
     return records
 
 
-def _read_segment(files: verified.CheckedFiles, name: str) -> list[dict[str, Any]]:
-    path = files.directory / name
+def _parse_segment(data: bytes, path: Path) -> list[dict[str, Any]]:
     try:
-        data = files.read_bytes(name)
         document = cio.parse_json(data, path)
     except Exception as exc:  # a file of the checkpoint made reading fail: damaged, whatever the error
         raise damaged(path, exc) from exc
@@ -189,7 +198,7 @@ def _read_segment(files: verified.CheckedFiles, name: str) -> list[dict[str, Any
     segment = document.get("records")
     if not isinstance(segment, list) or not all(isinstance(r, dict) for r in segment):
         raise DamagedCheckpoint(f"checkpoint file {path} does not hold a list of log records")
-    return _untag(segment) if b'"__float__"' in data else segment  # type: ignore[no-any-return]
+    return untag(segment) if b'"__float__"' in data else segment  # type: ignore[no-any-return]
 
 
 def _lost(path: Path, exc: DamagedCheckpoint) -> None:

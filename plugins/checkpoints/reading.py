@@ -17,7 +17,7 @@ from ..optimization.optimizer_fit import check_optimizer_fits
 from . import io as cio
 from . import verified
 from .frozen import check_base
-from .history import read_log_history
+from .history import read_log_history, untag
 from .safety import DamagedCheckpoint, damaged
 from .sharded import SHARDED, load_shards, world_size_error
 
@@ -112,10 +112,11 @@ def read_trainer_state(path: str | Path) -> State:
 def _trainer_state(files: verified.CheckedFiles, manifest: dict[str, Any]) -> State:
     path = files.directory / "trainer_state.json"
     data = files.read_bytes(path.name)  # a missing or damaged file: its ConfigError names it
-    if len(data) > 64 and data.count(b"[") + data.count(b"{") > 64:
-        cio.parse_json(data, path)  # bounded in depth before State parses it
+    value = cio.parse_json(data, path)  # parsed once, bounded in size, parse memory and depth (safety.py)
     try:
-        state = State.from_json(data.decode("utf-8"))
+        if not isinstance(value, dict):
+            raise TypeError(f"it holds {type(value).__name__}, not an object")
+        state = State.from_dict(untag(value) if b'"__float__"' in data else value)  # as State.from_json
     except Exception as exc:
         raise DamagedCheckpoint(f"checkpoint file {path} is not a valid trainer state: {exc}") from exc
     older = read_log_history(files, manifest)  # the segments of a long history (history.py)

@@ -9,7 +9,9 @@ of memory or stack. So:
   must be regular files (not ``/dev/zero``, not a FIFO); a checkpoint directory that is a symlink is
   refused (``real_directory``);
 - JSON is bounded before it is parsed (``MAX_MANIFEST_BYTES`` for a manifest or an index,
-  ``MAX_JSON_BYTES`` for the rest) and its nesting after (``MAX_DEPTH``); the parser's own errors
+  ``MAX_JSON_BYTES`` for the rest), in the memory its parse would take (``parse_cost``: objects,
+  lists and values counted in its bytes, at most ``PARSE_RATIO`` times its size) and its nesting
+  after (``MAX_DEPTH``); the parser's own errors
   (a 5,000-digit integer, a nesting deeper than the interpreter's stack) are damage, like a syntax
   error;
 - any exception while reading a checkpoint means the checkpoint is damaged (``DamagedCheckpoint``,
@@ -35,16 +37,32 @@ MAX_JSON_BYTES = 512 << 20
 MAX_DEPTH = 64
 #: safetensors' own bound on its JSON header
 MAX_SAFETENSORS_HEADER = 100_000_000
+#: what parsing a JSON file may take, estimated from its bytes before it is parsed (``parse_cost``):
+#: PARSE_RATIO times its size, at least PARSE_FLOOR, never more than PARSE_MAX. Real files take 4-12
+#: times their size (a log record of 5 numbers: 3.8); empty objects 24 (estimated 52), so a 64 MB
+#: trainer_state.json of them (3.7 GB parsed) is refused, as is anything over 1.2 MB of them.
+PARSE_RATIO = 32
+PARSE_FLOOR = 64 << 20
+PARSE_MAX = 1 << 30
+#: bytes estimated per object or list (a dict of a few keys is 184 in CPython, a list 56 + 8 per item)
+#: and per separator (a value: a float 24, a pointer 8); the upper bound of what json.loads builds
+CONTAINER_COST = 120
+VALUE_COST = 32
 
 __all__ = [
     "MAX_DEPTH",
     "MAX_JSON_BYTES",
     "MAX_MANIFEST_BYTES",
+    "PARSE_FLOOR",
+    "PARSE_MAX",
+    "PARSE_RATIO",
     "DamagedCheckpoint",
     "check_depth",
+    "check_parse_cost",
     "check_safetensors_header",
     "damaged",
     "parse_bounded_json",
+    "parse_cost",
     "plain_name",
     "real_directory",
 ]
@@ -102,6 +120,7 @@ def parse_bounded_json(data: bytes, path: Path, *, limit: int = MAX_JSON_BYTES) 
     """Parse JSON read from ``path``: bounded in size before and in depth after; any failure is damage."""
     if len(data) > limit:
         raise DamagedCheckpoint(f"checkpoint file {path} has {len(data)} bytes, more than the {limit} a JSON file may")
+    check_parse_cost(parse_cost(data), len(data), f"checkpoint file {path}")
     try:
         value = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as exc:  # JSONDecodeError is a ValueError
@@ -109,6 +128,32 @@ def parse_bounded_json(data: bytes, path: Path, *, limit: int = MAX_JSON_BYTES) 
     if data.count(b"[") + data.count(b"{") > MAX_DEPTH:  # fewer containers cannot nest that deep
         check_depth(value, path)
     return value
+
+
+def parse_cost(data: bytes) -> tuple[int, int, int]:
+    """(estimated bytes ``json.loads(data)`` takes, objects and lists, values): counted, not parsed.
+
+    Every ``{`` or ``[`` is counted as a container and every ``,`` or ``:`` as a value, also those
+    inside strings: an over-estimate, never an under-estimate of the count.
+    """
+    containers = data.count(b"{") + data.count(b"[")
+    values = data.count(b",") + data.count(b":") + 1
+    return len(data) + CONTAINER_COST * containers + VALUE_COST * values, containers, values
+
+
+def allowed_parse(size: int) -> int:
+    """The most a JSON file of ``size`` bytes may take to parse (or files of ``size`` bytes in all)."""
+    return min(PARSE_MAX, max(PARSE_FLOOR, PARSE_RATIO * size))
+
+
+def check_parse_cost(cost: tuple[int, int, int], size: int, what: str, allowed: int | None = None) -> None:
+    """Refuse to parse ``what`` (``size`` bytes) when ``cost`` (``parse_cost``) is over what it may take."""
+    allowed = allowed_parse(size) if allowed is None else allowed
+    if cost[0] > allowed:
+        raise DamagedCheckpoint(
+            f"{what} would take about {cost[0] >> 20} MiB to parse ({cost[1]} objects and lists, {cost[2]} values "
+            f"in {size} bytes), more than the {allowed >> 20} MiB that JSON of its size may: refused before parsing"
+        )
 
 
 def check_depth(value: Any, path: Path, limit: int = MAX_DEPTH) -> None:
