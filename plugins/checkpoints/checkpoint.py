@@ -22,7 +22,6 @@ and a resume takes the checkpoint rank 0 chose, refusing one written by another 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -55,8 +54,8 @@ from .final_model import save_model
 from .frozen import BASE_MODEL_FILES, adapter_model, checkpoint_fingerprint, trainable_state_dict, write_adapter_folder
 from .history import write_trainer_state
 from .io import load_model_weights
+from .lineage import RunClaim, claim_run
 from .load_best import LoadBestModelAtEnd
-from .lock import OutputDirLock, claim_output_dir, lock_on_main
 from .resuming import (
     chosen_by_main,
     load_checkpoint,
@@ -212,6 +211,11 @@ def _publish(tmp: Path, final: Path) -> None:
 class Checkpointing(Plugin):
     """Writes a checkpoint at every SAVE event, then rotates old ones.
 
+    From TRAIN_START to TRAIN_END it holds output_dir's lock (one run per directory), and a new run
+    (a fresh ``fit()``, or one resumed from a checkpoint outside output_dir) first moves the earlier
+    run's checkpoints into ``output_dir/previous-runs/<time>/`` with a warning: never deleted by
+    rotation, never resumed by ``resume(engine, True)`` (``lock.py``, ``lineage.py``).
+
     Args:
         output_dir: where ``checkpoint-{step}`` directories go.
         save_total_limit: keep at most this many complete checkpoints (None keeps all); the best
@@ -287,7 +291,7 @@ class Checkpointing(Plugin):
         self.last_metric: float | None = None
         self.last_saved: Path | None = None
         self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
-        self._lock: OutputDirLock | None = None
+        self.claim = RunClaim(self.output_dir)  # the output_dir lock and which checkpoints are this run's
 
     @property
     def written(self) -> list[Path]:
@@ -297,8 +301,9 @@ class Checkpointing(Plugin):
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.SAVE, self.save)
         ensure_resumable_data(engine)  # exact mid-epoch resumes: each epoch's data order is kept (data/replay.py)
-        # one run per output_dir (lock.py): held from the start of training to its end, also after an error
-        self.on(engine, Event.TRAIN_START, self._take_lock, priority=Priority.FIRST, before="*")
+        # one run per output_dir (lock.py): held from the start of training to its end, also after an error;
+        # a new run sets the earlier run's checkpoints aside first (lineage.py), whatever the composition
+        self.on(engine, Event.TRAIN_START, self._claim_run, priority=Priority.FIRST, before="*")
         self.on(engine, Event.TRAIN_END, self._release_lock, priority=Priority.LAST, after="*", cleanup=True)
         if self.only_best_at_end:
             # after LoadBestModelAtEnd (FIRST) has read the best checkpoint
@@ -337,14 +342,16 @@ class Checkpointing(Plugin):
         if self._schedule is not None:
             self._schedule.eval_end(engine.state, engine.control)  # "best": after a new best
 
-    def _take_lock(self, ev: TrainStartEvent) -> None:
-        self._release_lock(ev)
-        self._lock = lock_on_main(self.output_dir)  # re-entrant: a Trainer's train() holds it already
+    def _claim_run(self, ev: TrainStartEvent) -> None:
+        if self.claim.start(ev.engine):
+            self._written = []  # a new run: the checkpoints it writes are its own
 
     def _release_lock(self, ev: Payload) -> None:
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
+        self.claim.release()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resume: the coming fit() decides whether it continues output_dir's run (``lineage.py``)."""
+        self.claim.loaded, self.claim.wrote = True, False
 
     def _keep_only_best(self, ev: TrainEndEvent) -> None:
         """HF: with ``save_total_limit=1`` a finished run keeps only the best checkpoint, not also the newest."""
@@ -374,6 +381,7 @@ class Checkpointing(Plugin):
                     engine, self.output_dir, info=info, rng_states=rng_states, model_only=self.save_only_model,
                     model_folder=self.model_folder,
                 )  # fmt: skip
+            self.claim.wrote = True
             if main:
                 self._written = [path for path in self._written if path != final] + [final]
                 rotate_checkpoints(
@@ -384,16 +392,3 @@ class Checkpointing(Plugin):
         finally:
             barrier()  # no rank reads (resume, best model) before the checkpoint is complete
         self.last_saved = final
-
-
-def claim_run(engine: Engine, resume_from_checkpoint: Any) -> contextlib.AbstractContextManager[None]:
-    """For a Trainer's train(): its output_dir's lock held for the block, and which checkpoints are this run's.
-
-    A new run (``resume_from_checkpoint`` None or False, or a checkpoint outside output_dir) that
-    writes checkpoints first moves every ``checkpoint-N`` in output_dir into
-    ``output_dir/previous-runs/<time>/``, with a warning naming it; nothing is deleted, and it then
-    trains as transformers 5 would (no ``overwrite_output_dir``), writing the same checkpoint names.
-    ``resume_from_checkpoint=True`` continues the run whose checkpoints sit directly in output_dir (a
-    killed run started again is the same run) and never sees the set-aside ones (``lock.py``).
-    """
-    return claim_output_dir(engine, resume_from_checkpoint, isinstance(engine.get_plugin(Checkpointing), Checkpointing))

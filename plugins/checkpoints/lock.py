@@ -7,8 +7,12 @@ it when the process dies, however it dies, so a killed run never leaves the dire
 lock file holds the holder's pid, host and start time (JSON), which a second run's error names; the
 holder removes it when it ends (a killed run leaves it, unlocked: the next run takes it over). Only
 rank 0 takes it (only rank 0 writes checkpoints); every rank learns the outcome, so every rank fails
-together. A process may take the lock it holds again (the Trainer holds it around ``fit()``, and the
-Checkpointing plugin takes it at TRAIN_START for runs without the Trainer).
+together. A process may take the lock it holds again (the Trainer holds it around its resume and
+``fit()``; the Checkpointing plugin takes it at TRAIN_START, for any composition). The lock is the
+main process's alone: a forked child (a DataLoader worker) closes its inherited descriptor at once
+(``os.register_at_fork``), so a killed run's workers never keep the directory locked; an acquisition
+that fails midway closes its descriptor, and an output_dir that cannot be locked is named with its
+remedy (``lock_errors.py``).
 
 Which checkpoints are a run's (the lineage rule). The ``checkpoint-N`` entries directly in
 output_dir are the checkpoints of one run: the one that last started there fresh, and every resume
@@ -28,9 +32,11 @@ of it (a run killed and started again with ``resume_from_checkpoint=True`` is th
 - a checkpoint that does not fit the run (another model, optimizer or number of processes) is
   refused when it is applied, naming the difference (``reading.apply_checkpoint``).
 
-A Trainer always has its Checkpointing plugin (``save_strategy="no"`` still saves when a callback
-or a signal asks), so every fresh ``train()`` sets the earlier run aside; an engine without one
-only takes the lock.
+The Checkpointing plugin applies the rule at TRAIN_START (``lineage.py``), so a bare Engine's fresh
+``fit()`` sets the earlier run aside as a Trainer's fresh ``train()`` does, and ``resume(engine, ...)``
+before ``fit()`` continues the run or starts a new one as ``resume_from_checkpoint`` would. A Trainer
+always has its Checkpointing plugin (``save_strategy="no"`` still saves when a callback or a signal
+asks); an engine without one takes no lock and moves nothing.
 """
 
 from __future__ import annotations
@@ -49,10 +55,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from trainbus.engine import ConfigError, Engine
+from trainbus.engine import ConfigError
 
 from ..distributed.processes import broadcast_from_main, rank
-from .directory import finish_set_aside, set_aside
+from .directory import set_aside
 from .lock_errors import check_regular, unusable
 
 logger = logging.getLogger("trainbus.checkpoint")
@@ -63,7 +69,6 @@ __all__ = [
     "LOCK_FILE",
     "OutputDirInUse",
     "OutputDirLock",
-    "claim_output_dir",
     "hold_output_dir",
     "lock_on_main",
     "starts_a_run",
@@ -273,31 +278,3 @@ def starts_a_run(resume_from_checkpoint: Any, output_dir: str | Path) -> bool:
         return False  # True (the newest here), or a bad value its resume will name
     parent = os.path.dirname(os.path.abspath(resume_from_checkpoint))
     return os.path.realpath(parent) != os.path.realpath(output_dir)
-
-
-@contextlib.contextmanager
-def claim_output_dir(engine: Engine, resume_from_checkpoint: Any, writes_checkpoints: bool) -> Iterator[None]:
-    """For a Trainer's ``train()``: hold its output_dir's lock and, for a new run that writes checkpoints,
-    set the earlier run's aside (``start_fresh``); a move a killed run left half done is finished first.
-
-    Reads ``engine.args.output_dir``. Rank 0 moves; every rank raises if it failed.
-    """
-    args = getattr(engine, "args", None)
-    output_dir = getattr(args, "output_dir", None)
-    if output_dir is None:
-        yield
-        return
-    with hold_output_dir(output_dir):
-        if writes_checkpoints:
-            error = None
-            if rank() == 0:
-                try:
-                    finish_set_aside(output_dir)
-                    if starts_a_run(resume_from_checkpoint, output_dir):
-                        start_fresh(output_dir)
-                except (ConfigError, OSError) as exc:
-                    error = str(exc)
-            error = broadcast_from_main(error)
-            if error is not None:
-                raise ConfigError(error)
-        yield
