@@ -35,13 +35,15 @@ from .events import (
 )
 from .filters import EventFilter, FilteredEvent
 from .loop import Engine, data_length
-from .plugin import Plugin
+from .plugin import Composition, CompositionWarning, Plugin
 from .state import Control, State
 
 __all__ = [
     "BackwardEndEvent",
     "BatchStartEvent",
     "BeforeOptimizerStepEvent",
+    "Composition",
+    "CompositionWarning",
     "ConfigError",
     "Control",
     "Engine",

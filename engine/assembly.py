@@ -16,6 +16,7 @@ from trainbus.hooks import Hooks
 from trainbus.hooks import to_device as default_to_device
 
 from .bus import EventBus
+from .composition import check_composition, check_order_targets
 from .errors import ConfigError, suggest
 from .plugin import Plugin, check_state
 from .state import State
@@ -154,6 +155,13 @@ class Assembly:
         what ``before=`` / ``after=`` take.
         """
         return self.bus.describe()
+
+    def check_composition(self) -> None:
+        """What fit() checks before TRAIN_START (``composition.py``): a ``before=`` / ``after=`` naming
+        nothing is a ConfigError suggesting the close names; a plugin that would do nothing (its
+        ``check_composition``) gets a ``CompositionWarning`` naming what is missing."""
+        check_order_targets(self.bus, self.plugins)
+        check_composition(self)
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -210,6 +210,10 @@ class EventBus:
 
         return call_all
 
+    def registrations(self) -> list[Registration]:
+        """Every registration, events in loop order, each event's in the order they run."""
+        return [record for records in self._handlers for record in records]
+
     def has_handlers(self, event: EventType[Any]) -> bool:
         return bool(self._handlers[event.index])
 

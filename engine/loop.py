@@ -288,6 +288,7 @@ class Engine(Passes, Assembly, Lifecycle):
             raise ConfigError("fit() needs an optimizer: pass it to the Engine or add an optimizer plugin")
         # re-validate: plugins may have changed accumulation or limits since construction
         self.train_data = self.train_data
+        self.check_composition()  # names that order nothing, plugins that would do nothing
         state, control, hooks = self.state, self.control, self.hooks
         max_steps, steps_per_epoch, num_epochs = self._plan()
         state.max_steps = max_steps

@@ -23,6 +23,21 @@ Targets = str | Sequence[str]
 EVERY = "*"
 
 
+#: names a ``before=`` / ``after=`` may use although nothing of that name is attached (see
+#: ``register_order_names``); plugin classes defined in the process count without registering
+REGISTERED_NAMES: set[str] = set()
+
+
+def register_order_names(*names: str) -> None:
+    """Declare plugin names that order declarations may name before their class is imported.
+
+    fit() refuses a ``before=`` / ``after=`` naming nothing that ever attaches (a typo). A plugin that
+    names an optional peer (EMA runs before ``"HalfPrecisionEval"`` when both are attached) is fine
+    when the peer's class exists; a package that imports its plugins lazily registers their names here.
+    """
+    REGISTERED_NAMES.update(names)
+
+
 def target_names(targets: Targets, what: str) -> tuple[str, ...]:
     """``before=`` / ``after=`` as a tuple of names, checked."""
     names = (targets,) if isinstance(targets, str) else tuple(targets)

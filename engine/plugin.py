@@ -7,8 +7,9 @@ the engine calls ``detach`` on removal, which undoes exactly those registrations
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
@@ -69,6 +70,23 @@ class Plugin:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
 
+    # -- composition (checked when fit() starts) ------------------------------------------------
+    def schedules(self) -> Collection[str]:
+        """What this plugin requests of the run through Control: some of "log", "evaluate", "save", "stop".
+
+        Other plugins' ``check_composition`` read the union (``Composition.scheduled``): an EarlyStopping
+        with nothing that schedules "evaluate" would never stop anything. Default: nothing.
+        """
+        return ()
+
+    def check_composition(self, composition: Composition) -> Iterable[str] | None:
+        """What this plugin lacks in ``composition`` to do anything; each line becomes a warning.
+
+        Called by fit() before TRAIN_START (and by ``engine.check_composition()``). Return nothing when
+        the plugin can work; raise ConfigError for a composition that must not run. Default: nothing.
+        """
+        return None
+
     # -- helpers for attach ------------------------------------------------------------------
     def on(
         self,
@@ -110,6 +128,46 @@ class Plugin:
         token = engine.wrap_hook(hook, wrapper)
         self.__dict__.setdefault("_plugin_wraps", []).append(token)
         return token
+
+
+#: what ``Plugin.schedules()`` may name: the Control requests a plugin makes
+SCHEDULES = frozenset({"log", "evaluate", "save", "stop"})
+PluginT = TypeVar("PluginT", bound=Plugin)
+
+
+class CompositionWarning(UserWarning):
+    """A plugin would do nothing in this engine (found when fit() starts); the message names what is missing."""
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What fit() starts with, as ``Plugin.check_composition`` sees it.
+
+    Attributes:
+        plugins: the attached plugins, in attach order.
+        handlers: event name -> its handlers' names in call order (``engine.describe()``).
+        scheduled: the Control requests the plugins make (union of ``Plugin.schedules()``).
+        has_eval_data: whether the engine has ``eval_data`` (evaluate() without data needs it).
+    """
+
+    plugins: tuple[Plugin, ...]
+    handlers: Mapping[str, tuple[str, ...]]
+    scheduled: frozenset[str]
+    has_eval_data: bool
+
+    @overload
+    def get(self, which: type[PluginT]) -> PluginT | None: ...
+    @overload
+    def get(self, which: str) -> Plugin | None: ...
+    def get(self, which: type[Plugin] | str) -> Plugin | None:
+        """The first attached plugin of that class (or subclass) or of that name; None when absent."""
+        if isinstance(which, str):
+            return next((p for p in self.plugins if p.name == which), None)
+        return next((p for p in self.plugins if isinstance(p, which)), None)
+
+    def handles(self, event: EventType[Any] | str) -> bool:
+        """Whether any handler is registered for ``event`` (an Event or its name)."""
+        return bool(self.handlers.get(event if isinstance(event, str) else event.name))
 
 
 #: what a checkpoint holds (plugins/checkpoints/codec.py writes these without pickle)

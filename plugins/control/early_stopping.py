@@ -10,10 +10,10 @@ run stops where the uninterrupted one would.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from trainbus.engine import ConfigError, EvalEndEvent, Priority
+from trainbus.engine import Composition, ConfigError, EvalEndEvent, Priority
 from trainbus.engine.errors import check_positive_int
 
 from .best_model import MetricPlugin, MetricWatch, is_improvement
@@ -73,6 +73,15 @@ class EarlyStopping(MetricPlugin):
         self.waited += 1
         if self.waited >= self.patience:
             ev.engine.control.should_training_stop = True
+
+    def check_composition(self, composition: Composition) -> Iterable[str] | None:
+        """Warn when nothing schedules an evaluation: with none, this plugin never stops anything."""
+        if "evaluate" in composition.scheduled:
+            return None
+        return [
+            f"nothing schedules an evaluation, so it never sees {self.key!r} and never stops the run; "
+            "attach FlowControl(eval_strategy='steps' or 'epoch') (or a plugin whose schedules() has 'evaluate')"
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "waited": self.waited}

@@ -129,6 +129,13 @@ class FlowControl(Plugin):
             save_steps=args.save_steps,
         )
 
+    def schedules(self) -> set[str]:
+        """The Control requests this flow makes: "log" / "evaluate" / "save" unless that strategy is "no"."""
+        wanted = {"log": self.logging_strategy, "evaluate": self.eval_strategy, "save": self.save_strategy}
+        return {request for request, strategy in wanted.items() if strategy != "no"} | (
+            {"evaluate"} if self.eval_on_start else set()
+        )
+
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_START, self.train_start)
         self.on(engine, Event.STEP_END, self.step_end)
