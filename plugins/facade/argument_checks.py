@@ -13,6 +13,7 @@ reads them to build a command line), so where trainbus accepts more than the ann
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import math
 import numbers
@@ -24,6 +25,8 @@ from typing import Any, Literal, Union
 
 from trainbus.engine import ConfigError
 from trainbus.engine.errors import ConfigTypeError, check_positive_int
+
+from ..optimization.optimizer_checks import check_optimizer_hyperparameters
 
 #: HF fields trainbus does not implement, with HF's default: passing the default is accepted
 #: (it changes nothing), any other value raises. A hint names the trainbus way when there is one.
@@ -214,9 +217,10 @@ def check_numbers(args: Any) -> None:
         check_positive_int("save_total_limit (or None to keep every checkpoint)", args.save_total_limit)
     if args.eval_accumulation_steps is not None:
         check_positive_int("eval_accumulation_steps", args.eval_accumulation_steps)
-    for name in ("learning_rate", "weight_decay"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"{name} must be >= 0, got {getattr(args, name)!r}")
+    names = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+    check_optimizer_hyperparameters({name: getattr(args, name) for name in names})  # torch's ranges, now
+    if args.eval_delay < 0:
+        raise ConfigError(f"eval_delay must be >= 0 (epochs or steps before evaluating), got {args.eval_delay!r}")
     if not 0.0 <= args.warmup_ratio <= 1.0:
         raise ConfigError(f"warmup_ratio must be in [0, 1], got {args.warmup_ratio!r}")
     if args.warmup_steps < 0:
@@ -246,9 +250,37 @@ def check_lr_scheduler(args: Any) -> None:
 
 
 def check_output_dir(path: str) -> None:
-    """An output_dir that exists must be a directory: a file there would fail only at the first save."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"output_dir {path!r} exists and is not a directory; pass a directory (new or existing)")
+    """A non-empty output_dir (``''`` would write into the working directory: ``'.'`` says so) that, if it
+    exists, is a directory: a file there would fail only at the first save."""
+    from ..checkpoints.output_dir_check import check_output_dir as check_path
+
+    check_path(path)
+
+
+def dict_argument(name: str, value: Any) -> Any:
+    """A ``*_kwargs`` field: a dict, None, or a JSON object string (the command line's form, parsed as HF does).
+
+    HF keeps any other string, which fails later as ``**'warmup'``; here it fails now, naming it.
+    """
+    if not isinstance(value, str):
+        return value
+    if value.lstrip().startswith("{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{name} must be a dict or a JSON object string; {value!r} is not valid JSON ({exc})"
+            ) from None
+    raise ConfigError(f"{name} must be a dict, a JSON object string such as '{{\"key\": 1}}' or None, got {value!r}")
+
+
+def check_compile_settings(args: Any) -> None:
+    """HF's rule: a torch_compile_mode or _backend turns torch_compile on; the mode is one torch knows."""
+    from ..optimization.model_setup import check_compile_mode
+
+    if (args.torch_compile_mode is not None or args.torch_compile_backend is not None) and not args.torch_compile:
+        args.torch_compile = True  # HF 5 does the same rather than ignoring them
+    check_compile_mode(args.torch_compile_mode, "torch_compile_mode")
 
 
 def one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:

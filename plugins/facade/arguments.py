@@ -31,11 +31,13 @@ from .argument_checks import (
     DDP_BACKENDS,
     LOG_LEVELS,
     UNSUPPORTED,
+    check_compile_settings,
     check_field_types,
     check_lr_scheduler,
     check_numbers,
     check_output_dir,
     check_trackers,
+    dict_argument,
     one_of,
     report_to_list,
 )
@@ -204,9 +206,8 @@ class TrainingArguments(ProcessArguments):
         self.debug = parse_debug_options(self.debug)
         check_trackers(self)
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
-            value = getattr(self, name)
-            if isinstance(value, str) and value.startswith("{"):  # CLI JSON, as HF parses it
-                setattr(self, name, json.loads(value))
+            setattr(self, name, dict_argument(name, getattr(self, name)))  # CLI JSON, as HF parses it
+        check_compile_settings(self)
         check_numbers(self)
         self._check_steps()
         check_lr_scheduler(self)

@@ -23,6 +23,7 @@ from ..data.loading import (
     remove_unused_columns,
     signature_columns,
 )
+from .batch_checks import CheckedCollator
 
 
 class TrainerData:
@@ -80,7 +81,7 @@ class TrainerData:
         return build_dataloader(
             dataset,
             batch_size=batch_size,
-            collate_fn=self._collator_for(dataset),
+            collate_fn=CheckedCollator(self._collator_for(dataset), self.label_names_arg),  # bad samples named
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,

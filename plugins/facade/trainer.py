@@ -55,7 +55,7 @@ from .saving import save_model as save_final_model
 from .search import hyperparameter_search as _hyperparameter_search
 from .step_hooks import TrainerStepHooks
 from .subclass_surface import MemoryTracker, TrainerInternals
-from .trainer_checks import check_model, check_train_kwargs, check_trainer_arguments, model_from_init
+from .trainer_checks import check_eval_set, check_model, check_train_kwargs, check_trainer_arguments, model_from_init
 from .utilities import TrainerUtilities
 
 
@@ -122,6 +122,7 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         if args.eval_strategy != "no" and eval_dataset is None:
             raise ConfigError(f"eval_strategy={args.eval_strategy.value!r} needs an eval_dataset; none was given")
         check_train_dataset(train_dataset, args.max_steps)  # the loader itself is made by train(), as in HF
+        check_eval_set(eval_dataset)  # an empty one fails now, not at the first evaluation
         # several processes: made before the train loader, so the plan below counts global batches
         self.distributed = distributed_plugin(args)
         self._train_batch_size = args.train_batch_size  # auto_find_batch_size may lower it

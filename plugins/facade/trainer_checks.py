@@ -51,7 +51,7 @@ def check_trainer_arguments(
             "Trainer requires either a `model` or `model_init` argument, but not both: model_init would replace "
             "the model at train(); pass one of them"
         )
-    optimizer, scheduler = optimizers
+    optimizer, scheduler = check_optimizers(optimizers)
     if optimizer_cls_and_kwargs is not None and optimizer is not None:
         raise ConfigRuntimeError(
             "Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible: pass "
@@ -69,6 +69,51 @@ def check_trainer_arguments(
             + (" (its collate_batch method is the old interface: pass it as the callable)"
                if callable(getattr(data_collator, "collate_batch", None)) else "")
         )  # fmt: skip
+
+
+def check_optimizers(optimizers: Any) -> tuple[Any, Any]:
+    """``optimizers=(optimizer, scheduler)``: a pair, each None or the object itself, not its name.
+
+    An optimizer is what training calls: ``step()``, ``zero_grad()`` and ``param_groups`` (a torch
+    optimizer or a wrapper of one); a scheduler has ``step()``. HF takes any pair and fails at the first
+    step (``'str' object has no attribute 'zero_grad'``); names belong in ``TrainingArguments(optim=...,
+    lr_scheduler_type=...)``.
+    """
+    if not isinstance(optimizers, tuple | list) or len(optimizers) != 2:
+        raise ConfigTypeError(
+            f"optimizers must be a pair (optimizer, scheduler), each None to build it from the arguments, got "
+            f"{optimizers!r}"
+        )
+    optimizer, scheduler = optimizers
+    is_optimizer = all(callable(getattr(optimizer, m, None)) for m in ("step", "zero_grad")) and hasattr(
+        optimizer, "param_groups"
+    )
+    if optimizer is not None and not is_optimizer:
+        raise ConfigTypeError(
+            f"optimizers[0] must be a torch.optim.Optimizer (or None: built from args.optim), got {optimizer!r} "
+            f"({type(optimizer).__name__})"
+            + ("; to choose one by name set TrainingArguments(optim=...)" if isinstance(optimizer, str) else "")
+        )
+    if scheduler is not None and not isinstance(scheduler, str) and not callable(getattr(scheduler, "step", None)):
+        raise ConfigTypeError(
+            f"optimizers[1] must be a learning-rate scheduler with a step() method (e.g. torch.optim.lr_scheduler."
+            f"LambdaLR), a scheduler name, or None; got {scheduler!r} ({type(scheduler).__name__})"
+        )
+    return optimizer, scheduler
+
+
+def check_eval_set(eval_dataset: Any) -> None:
+    """An eval set, or each of a dict of them, with at least one sample when its length is known.
+
+    An empty one failed only at the first evaluation, mid-training ("evaluation needs at least one batch").
+    """
+    named = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [(None, eval_dataset)]
+    for name, dataset in named:
+        if dataset is None or not hasattr(dataset, "__len__"):
+            continue
+        if len(dataset) == 0:
+            which = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
+            raise ConfigError(f"{which} is empty (length 0): evaluation needs at least one sample")
 
 
 def model_from_init(model_init: Callable[..., Any], trial: Any = None) -> Any:
@@ -138,6 +183,13 @@ def compute_loss(outputs: Any, batch: Any) -> torch.Tensor:
 
 def no_loss_message(outputs: Any, batch: Any) -> str:
     """Why the model's outputs hold no loss, and the Trainer's three ways to get one."""
+    loss = _named_loss(outputs)
+    if isinstance(loss, torch.Tensor) and loss.dim() != 0:
+        return (
+            f"the model returned a loss of shape {tuple(loss.shape)}, not one number: training needs one number "
+            "per batch to call backward() on. A loss per sample (reduction='none') must be reduced, e.g. "
+            "loss.mean() in the model, or pass Trainer(..., compute_loss_func=fn) returning a scalar"
+        )
     got = type(outputs).__name__
     if isinstance(outputs, Mapping):
         got += f" with keys {sorted(map(str, outputs))}"
@@ -153,3 +205,11 @@ def no_loss_message(outputs: Any, batch: Any) -> str:
         "when it gets labels, pass Trainer(..., compute_loss_func=fn) with fn(outputs, labels, num_items_in_batch) "
         "-> loss, or subclass Trainer and override compute_loss"
     )
+
+
+def _named_loss(outputs: Any) -> Any:
+    """What the model put under ``loss`` (attribute or key), whatever its shape."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+    return loss

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbus.engine import ConfigError, Plugin
+from trainbus.engine.errors import ConfigTypeError
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
@@ -37,6 +38,12 @@ class GradientCheckpointing(Plugin):
     """
 
     def __init__(self, gradient_checkpointing_kwargs: Mapping[str, Any] | None = None) -> None:
+        if gradient_checkpointing_kwargs is not None and not isinstance(gradient_checkpointing_kwargs, Mapping):
+            raise ConfigTypeError(
+                "gradient_checkpointing_kwargs must be a dict of torch.utils.checkpoint arguments (e.g. "
+                f"{{'use_reentrant': False}}) or None, got {gradient_checkpointing_kwargs!r} "
+                f"({type(gradient_checkpointing_kwargs).__name__})"
+            )
         self.kwargs = dict(gradient_checkpointing_kwargs or {})
 
     def attach(self, engine: Engine) -> None:
@@ -67,6 +74,10 @@ class GradientCheckpointing(Plugin):
         super().detach(engine)
 
 
+#: torch.compile's modes in torch 2.13; another mode is looked up in torch's own list
+KNOWN_COMPILE_MODES = frozenset({"default", "lite", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"})
+
+
 class TorchCompile(Plugin):
     """Compile the model with ``torch.compile`` in place (``nn.Module.compile``), opt-in.
 
@@ -86,6 +97,7 @@ class TorchCompile(Plugin):
     """
 
     def __init__(self, **compile_kwargs: Any) -> None:
+        check_compile_mode(compile_kwargs.get("mode"))
         self.compile_kwargs = compile_kwargs
 
     def attach(self, engine: Engine) -> None:
@@ -95,3 +107,14 @@ class TorchCompile(Plugin):
         # undo nn.Module.compile: it only stores the compiled call in this attribute
         engine.model._compiled_call_impl = None
         super().detach(engine)
+
+
+def check_compile_mode(mode: Any, name: str = "mode") -> None:
+    """None or one of torch.compile's modes (torch lists them; it checked them only when the model was compiled)."""
+    if mode is None or mode in KNOWN_COMPILE_MODES:
+        return
+    from torch._inductor import list_mode_options  # seconds to import: only for a mode not known here
+
+    modes = list(list_mode_options())
+    if mode not in modes:
+        raise ConfigError(f"{name} must be one of torch.compile's modes {modes} or None, got {mode!r}")

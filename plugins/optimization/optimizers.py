@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbus.engine import ConfigError, Plugin
-from trainbus.engine.errors import ConfigImportError, ConfigNotImplementedError
+from trainbus.engine.errors import ConfigImportError, ConfigNotImplementedError, ConfigTypeError
 
+from .optimizer_checks import check_optimizer_hyperparameters
 from .optimizer_names import OPTIMIZER_NAMES, OptimizerRequest, check_optim
 from .optimizer_state import LayerwiseOptimizer, keep_state_plain
 
@@ -126,6 +127,11 @@ def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> dict[str, An
         return {}
     if isinstance(optim_args, Mapping):
         return dict(optim_args)
+    if not isinstance(optim_args, str):
+        raise ConfigTypeError(
+            f"optim_args must be a 'key=value,key=value' string, a dict or None, got {optim_args!r} "
+            f"({type(optim_args).__name__})"
+        )
     parsed: dict[str, Any] = {}
     for item in optim_args.replace(" ", "").split(","):
         key, sep, value = item.partition("=")
@@ -346,6 +352,13 @@ class OptimizerSetup(Plugin):
         optim_target_modules: str | list[str] | None = None,
         replace: bool = False,
     ) -> None:
+        if name is not None and not isinstance(name, str) and not callable(name):
+            raise ConfigTypeError(
+                f"OptimizerSetup: name must be an optimizer name (e.g. 'adamw_torch'), a callable that makes the "
+                f"optimizer from the parameters, or None; got {name!r} ({type(name).__name__})"
+            )
+        values = {"lr": lr, "weight_decay": weight_decay, "adam_beta1": adam_beta1, "adam_beta2": adam_beta2}
+        check_optimizer_hyperparameters({**values, "adam_epsilon": adam_epsilon}, owner="OptimizerSetup")
         if isinstance(name, str):
             check_optim(name, target_modules=optim_target_modules, weight_decay=weight_decay)
         self.optimizer_name = name

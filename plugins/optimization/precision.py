@@ -16,13 +16,14 @@ and the engine needs a bool to know whether the optimizer stepped.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
-from trainbus.engine.errors import suggest
+from trainbus.engine.errors import check_positive_int, suggest
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
@@ -94,8 +95,8 @@ class MixedPrecision(Plugin):
             )
         if scaler is not None and DTYPES[dtype] != torch.float16:
             raise ConfigError(f"a loss scaler is for fp16 only; {dtype} needs none")
-        if not init_scale > 0:
-            raise ConfigError(f"init_scale must be > 0, got {init_scale!r}")
+        _check_scaler_settings(init_scale, growth_factor, backoff_factor, growth_interval)
+        _check_device_type(device_type)
         self.dtype = DTYPES[dtype]
         self.device_type = device_type
         self.scaler: Any = scaler
@@ -200,3 +201,33 @@ class MixedPrecision(Plugin):
             self._pending_scaler = dict(saved)  # loaded when attach builds the scaler
         else:
             self.scaler.load_state_dict(dict(saved))
+
+
+def _check_scaler_settings(init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> None:
+    """GradScaler's ranges, at construction (torch asserts growth and backoff only when the scaler is made)."""
+    numbers = {"init_scale": init_scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor}
+    for name, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not init_scale > 0:
+        raise ConfigError(f"init_scale must be > 0, got {init_scale!r}")
+    if not growth_factor > 1:
+        raise ConfigError(f"growth_factor must be > 1 (the scale grows by it), got {growth_factor!r}")
+    if not 0 < backoff_factor < 1:
+        raise ConfigError(f"backoff_factor must be in (0, 1) (the scale shrinks by it), got {backoff_factor!r}")
+    check_positive_int("growth_interval", growth_interval)
+
+
+def _check_device_type(device_type: Any) -> None:
+    """None (the engine's device) or a torch device type without an index ('cuda', 'cpu', ...)."""
+    if device_type is None:
+        return
+    try:
+        valid = isinstance(device_type, str) and torch.device(device_type).type == device_type
+    except RuntimeError:
+        valid = False
+    if not valid:
+        raise ConfigError(
+            f"device_type must be a torch device type such as 'cuda' or 'cpu' (no index), or None for the "
+            f"engine's device; got {device_type!r}"
+        )

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.engine.errors import ConfigTypeError
 from trainbus.hooks import get_labels, model_output
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ class LabelSmoothing(Plugin):
     ) -> None:
         if isinstance(epsilon, bool) or not isinstance(epsilon, int | float) or not 0.0 <= epsilon < 1.0:
             raise ConfigError(f"label smoothing epsilon must be in [0, 1), got {epsilon!r}")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise ConfigTypeError(f"ignore_index must be an int (the label to skip, e.g. -100), got {ignore_index!r}")
         self.epsilon = float(epsilon)
         self.shift_labels = shift_labels
         self.ignore_index = ignore_index
@@ -159,6 +162,11 @@ class NEFTune(Plugin):
     def __init__(self, alpha: float = 5.0, *, embeddings: torch.nn.Module | None = None) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0 or math.isinf(alpha):
             raise ConfigError(f"NEFTune alpha must be a finite number > 0, got {alpha!r}")
+        if embeddings is not None and not isinstance(embeddings, torch.nn.Module):
+            raise ConfigTypeError(
+                f"embeddings must be a torch.nn.Module (the input embeddings to add noise to) or None (the model's "
+                f"get_input_embeddings()), got {embeddings!r} ({type(embeddings).__name__})"
+            )
         self.alpha = float(alpha)
         self.embeddings = embeddings
         self._hook: torch.utils.hooks.RemovableHandle | None = None

@@ -18,7 +18,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
-from trainbus.engine.errors import ConfigKeyError, check_positive_int, suggest
+from trainbus.engine.errors import ConfigKeyError, ConfigTypeError, check_positive_int, suggest
 
 from .schedule_shapes import (
     constant_factor,
@@ -103,6 +103,18 @@ def check_scheduler_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
     for key in ("warmup_type", "decay_type"):
         if key in kwargs and kwargs[key] not in _SHAPES:
             raise ConfigError(f"{key} must be one of {', '.join(_SHAPES)}, got {kwargs[key]!r}")
+
+
+def _check_arguments(scheduler_kwargs: Any, metric: Any, num_training_steps: Any) -> None:
+    """LRScheduler's arguments of the wrong kind, named (they failed later, as ``'int' object is not iterable``)."""
+    if scheduler_kwargs is not None and not isinstance(scheduler_kwargs, Mapping):
+        raise ConfigTypeError(
+            f"scheduler_kwargs must be a dict of the schedule's arguments (e.g. {{'num_cycles': 2}}) or None, "
+            f"got {scheduler_kwargs!r} ({type(scheduler_kwargs).__name__})"
+        )
+    if not isinstance(metric, str) or not metric:
+        raise ConfigTypeError(f"metric must be the name of an eval metric (e.g. 'loss'), got {metric!r}")
+    check_positive_int("num_training_steps (or None: the run's length)", num_training_steps, allow_none=True)
 
 
 def _lambda(
@@ -228,6 +240,7 @@ class LRScheduler(Plugin):
     ) -> None:
         self.scheduler: Scheduler | None = None
         self.scheduler_name: str | None = None
+        _check_arguments(scheduler_kwargs, metric, num_training_steps)
         if isinstance(scheduler, str):
             check_scheduler_kwargs(scheduler, dict(scheduler_kwargs or {}))
             resolve_warmup_steps(1, num_warmup_steps, warmup_ratio)  # validates at construction
