@@ -123,3 +123,32 @@ def test_sft_resume_is_the_uninterrupted_run(tmp_path: Path, tokenizer_dir: str)
     trl_tokens, trl_resumed_tokens = logged(full["trl"], "num_tokens"), logged(resumed["trl"], "num_tokens")
     assert trl_tokens == logged(tb, "num_tokens")
     assert trl_resumed_tokens[-1] < trl_tokens[-1]
+
+
+def lora() -> object:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+SCENARIOS = {
+    # prompt-completion conversations: the loss on the completion only (TRL's default for that format)
+    "completion_only": ({"rows": "prompt_completion"}, {}),
+    "assistant_only": ({"rows": "conversation"}, {"assistant_only_loss": True}),
+    # best-fit-decreasing packing into rows of 24 tokens, padding-free with position ids
+    "packed_bfd": ({"rows": "text"}, {"packing": True, "max_length": 24}),
+    "lora": ({"rows": "text", "peft": True}, {}),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_sft_scenario_matches_trl(tmp_path: Path, tokenizer_dir: str, scenario: str) -> None:
+    from trl_jobs import conversation_rows, prompt_completion_rows
+
+    setting, extra = SCENARIOS[scenario]
+    make = {"text": text_rows, "conversation": conversation_rows, "prompt_completion": prompt_completion_rows}
+    rows = make[setting["rows"]](14, 5)
+    config = {"max_length": 16, "gradient_accumulation_steps": 2, **extra}
+    runs = run_pair(tmp_path, tokenizer_dir, "llama", rows, peft_config=lora() if setting.get("peft") else None,
+                    **config)  # fmt: skip
+    assert_same(runs)

@@ -57,8 +57,8 @@ def write_tokenizer(directory: Path) -> str:
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     rng = random.Random(0)
     tokenizer.train_from_iterator(
-        [sentence(rng) for _ in range(200)] + ["user assistant system"], trainers.WordPieceTrainer(
-            vocab_size=60, special_tokens=SPECIALS)
+        [sentence(rng) for _ in range(200)] + ["user assistant system"] * 20, trainers.WordPieceTrainer(
+            vocab_size=100, special_tokens=SPECIALS)
     )  # fmt: skip
     tokenizer.decoder = decoders.WordPiece()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
