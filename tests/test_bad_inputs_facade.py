@@ -60,6 +60,13 @@ CONSTRUCTION: list[tuple[str, Callable[[Path], Any], type[Exception], tuple[str,
      ConfigError, ("gradient_checkpointing_kwargs", "'reentrant'", "a dict")),
     ("torch_compile_mode unknown", lambda t: _args(t, torch_compile=True, torch_compile_mode="fastest"),
      ConfigError, ("torch_compile_mode", "'fastest'", "max-autotune")),
+    ("prefetch without workers", lambda t: _args(t, dataloader_prefetch_factor=2), ConfigError,
+     ("dataloader_prefetch_factor", "2", "dataloader_num_workers > 0")),
+    ("prefetch of 0", lambda t: _args(t, dataloader_prefetch_factor=0, dataloader_num_workers=1), ConfigError,
+     ("dataloader_prefetch_factor", "0", ">= 1")),
+    ("include_for_metrics unknown", lambda t: _args(t, include_for_metrics=["input"]), ConfigError,
+     ("include_for_metrics", "'input'", "'inputs'")),
+    ("label_names with an empty name", lambda t: _args(t, label_names=[""]), ConfigError, ("label_names", "''")),
     ("optimizers with a name", lambda t: _trainer(t, optimizers=("adam", None)), TypeError,
      ("optimizers", "'adam'", "torch.optim.Optimizer")),
     ("optimizers None", lambda t: _trainer(t, optimizers=None), TypeError, ("optimizers", "None", "(optimizer, ")),
@@ -102,6 +109,14 @@ def test_bad_data_fails_at_the_first_batch_naming_it(
     for text in texts:
         assert text in str(raised.value), f"{text!r} not in: {raised.value}"
     assert trainer.state.global_step == 0
+
+
+def test_a_warmup_over_the_whole_run_is_taken(tmp_path: Path) -> None:
+    """warmup_ratio=1.0 is in transformers' range [0, 1]: TrainingArguments took it, the schedule refused it later."""
+    trainer = Trainer(Regressor(), quiet_args(tmp_path, max_steps=2, warmup_ratio=1.0, learning_rate=0.1),
+                      train_dataset=regression_data(8))  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 2
 
 
 def test_what_transformers_takes_is_still_taken(tmp_path: Path) -> None:

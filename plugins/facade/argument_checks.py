@@ -231,8 +231,32 @@ def check_numbers(args: Any) -> None:
         raise ConfigError(f"max_grad_norm must be >= 0 (0 disables clipping), got {args.max_grad_norm!r}")
     if args.dataloader_num_workers < 0:
         raise ConfigError(f"dataloader_num_workers must be >= 0, got {args.dataloader_num_workers!r}")
+    check_loading_and_names(args)
     if args.neftune_noise_alpha is not None and args.neftune_noise_alpha <= 0:
         raise ConfigError(f"neftune_noise_alpha must be > 0 or None, got {args.neftune_noise_alpha!r}")
+
+
+#: what HF's ``include_for_metrics`` lists may hold (HF ignores any other word: a typo passes silently)
+INCLUDE_FOR_METRICS = ("inputs", "loss")
+
+
+def check_loading_and_names(args: Any) -> None:
+    """``dataloader_prefetch_factor`` (HF refuses it without worker processes; torch asserts it > 0 only when
+    the workers start), ``include_for_metrics`` words and ``label_names`` that name something."""
+    prefetch = args.dataloader_prefetch_factor
+    if prefetch is not None:
+        check_positive_int("dataloader_prefetch_factor (or None)", prefetch)
+        if args.dataloader_num_workers == 0:
+            raise ConfigError(
+                f"dataloader_prefetch_factor={prefetch!r} is for worker processes, but dataloader_num_workers=0 loads "
+                "in the main process: set dataloader_num_workers > 0 or leave it None (as transformers requires)"
+            )
+    for word in args.include_for_metrics:
+        if word not in INCLUDE_FOR_METRICS:
+            raise ConfigError(f"include_for_metrics may hold {list(INCLUDE_FOR_METRICS)}, got {word!r}")
+    for name in args.label_names or ():
+        if not name:
+            raise ConfigError(f"label_names must be non-empty field names (e.g. ['labels']), got {args.label_names!r}")
 
 
 def check_lr_scheduler(args: Any) -> None:

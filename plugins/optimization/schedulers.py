@@ -70,8 +70,8 @@ def resolve_warmup_steps(num_training_steps: int, num_warmup_steps: float = 0, w
 
     A ``num_warmup_steps`` in (0, 1) is a ratio too (transformers 5 merged the two arguments).
     """
-    if not 0.0 <= warmup_ratio < 1.0:
-        raise ConfigError(f"warmup_ratio must be in [0, 1), got {warmup_ratio!r}")
+    if not 0.0 <= warmup_ratio <= 1.0:  # transformers' range: 1 warms up over the whole run
+        raise ConfigError(f"warmup_ratio must be in [0, 1], got {warmup_ratio!r}")
     if not num_warmup_steps >= 0:
         raise ConfigError(f"num_warmup_steps must be >= 0, got {num_warmup_steps!r}")
     if num_warmup_steps >= 1:
