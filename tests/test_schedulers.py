@@ -244,7 +244,7 @@ def test_bad_input_fails_at_construction() -> None:
         LRScheduler("cosin")
     with pytest.raises(ConfigError, match="known schedulers"):
         create_scheduler("nope", _optimizer(), 10)
-    for ratio in (-0.1, 1.0, 2.0):
+    for ratio in (-0.1, 1.5, 2.0):  # 1.0 is in transformers' range [0, 1]: a warmup over the whole run
         with pytest.raises(ConfigError, match="warmup_ratio"):
             LRScheduler("linear", warmup_ratio=ratio)
     with pytest.raises(ConfigError, match="num_warmup_steps"):
