@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 import torch
 
@@ -43,6 +43,9 @@ class Plugin:
     #: default phase of this plugin's handlers (see ``Priority``), or a phase with constraints that
     #: all of them keep, e.g. ``Priority.FIRST.before("HalfPrecisionEval")``
     priority: int | Order = Priority.DEFAULT
+    #: attributes that differ after a resume on purpose (a start time, a path, a cache): the testing
+    #: kit's ``check_resume_equivalence`` compares every other plain-data attribute with the uninterrupted run
+    not_resumed: ClassVar[tuple[str, ...]] = ()
 
     @property
     def name(self) -> str:

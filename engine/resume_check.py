@@ -12,9 +12,15 @@ per epoch).
 
 Compared, at every STEP_START from the resume on and at TRAIN_END (before its handlers): State
 (except ``event_counts``: a resume replays an EPOCH_START), every plugin's ``state_dict()``, the
-model's and the optimizer's ``state_dict()``, bit for bit (NaN equals NaN). The first divergence is
-reported with the attributes of plugins that differed right after loading, which is where a field
-left out of ``state_dict()`` shows.
+model's and the optimizer's ``state_dict()``, then every plugin's public plain-data attributes
+(``vars`` without a leading underscore: numbers, strings, tensors by value, containers of them), bit
+for bit (NaN equals NaN); so a counter a ``state_dict()`` leaves out is named even when it changes no
+weight. Attributes that differ on purpose (a start time, a path) are listed in the plugin's
+``not_resumed`` or passed as ``ignore_attributes``. Private attributes (``_window``) are the plugin's
+own representation, which a save may legitimately fold elsewhere: they only appear as a hint when
+something compared differs. Then the window of batches each step starts with: when the resumed run sees
+other batches than the uninterrupted one, the message says the data order differs, at the first
+such step (a loader drawing its order from an RNG the save does not hold, say).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import copy
 import math
 import random
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -52,7 +58,11 @@ class _Interrupt(Exception):
 
 
 def check_resume_equivalence(
-    make_engine: Callable[[], Engine], *, at: int | None = None, max_examples: int = 10
+    make_engine: Callable[[], Engine],
+    *,
+    at: int | None = None,
+    max_examples: int = 10,
+    ignore_attributes: Iterable[str] = (),
 ) -> None:
     """Assert that saving at a step, loading into a fresh engine and continuing equals never stopping.
 
@@ -62,6 +72,7 @@ def check_resume_equivalence(
         at: the step to save at. None: hypothesis draws it from 1 .. last step - 1 (``max_examples``
             draws, shrunk to the earliest failing step). Inside your own ``@given`` test, draw it
             yourself and pass it (hypothesis does not nest).
+        ignore_attributes: ``"Plugin.attribute"`` names not to compare (beside each plugin's ``not_resumed``).
 
     Raises:
         ResumeMismatch: naming the step and the path of the first divergence.
@@ -70,13 +81,14 @@ def check_resume_equivalence(
 
         check_resume_equivalence(lambda: toy_engine(config, plugins=[MyPlugin()]))
     """
-    reference = _record(make_engine(), resume=None)
+    ignored = frozenset(ignore_attributes)
+    reference = _record(make_engine(), resume=None, ignored=ignored)
     steps = [key for key in reference if isinstance(key, int)]
     last = max(steps, default=0) + 1  # the STEP_START snapshot of step n is taken at global_step n - 1
     if at is not None:
         if not 1 <= at < last:
             raise ConfigError(f"at must be a step between 1 and {last - 1} (the run has {last} steps), got {at}")
-        _check_at(make_engine, at, reference)
+        _check_at(make_engine, at, reference, ignored)
         return
     if last < 2:
         raise ConfigError(f"the run has {last} step(s): resuming needs at least 2")
@@ -86,14 +98,16 @@ def check_resume_equivalence(
     @settings(max_examples=max_examples, deadline=None, database=None)
     @given(st.integers(1, last - 1))
     def save_at(step: int) -> None:
-        _check_at(make_engine, step, reference)
+        _check_at(make_engine, step, reference, ignored)
 
     save_at()
 
 
-def _check_at(make_engine: Callable[[], Engine], at: int, reference: dict[int | str, Snapshot]) -> None:
+def _check_at(
+    make_engine: Callable[[], Engine], at: int, reference: dict[int | str, Snapshot], ignored: frozenset[str]
+) -> None:
     saved = _interrupted(make_engine(), at)
-    resumed = _record(make_engine(), resume=saved)
+    resumed = _record(make_engine(), resume=saved, ignored=ignored)
     for key, snapshot in resumed.items():
         expected = reference.get(key)
         if expected is None:
@@ -102,10 +116,21 @@ def _check_at(make_engine: Callable[[], Engine], at: int, reference: dict[int | 
         found = first_difference(_compared(snapshot), _compared(expected))
         if found is not None:
             path, got, want = found
-            hint = _attribute_hint(resumed.get(at), reference.get(at))
+            hint = "" if path.startswith("/attributes/") else _attribute_hint(resumed.get(at), reference.get(at))
             raise ResumeMismatch(
                 f"resuming from a save at step {at} diverges from the uninterrupted run {_where(key, at)}: "
-                f"{path}: resumed {_show(got)}, uninterrupted {_show(want)}{hint}",
+                f"{_name(path, snapshot)}: resumed {_show(got)}, uninterrupted {_show(want)}{hint}",
+                key,
+                path,
+            )
+        found = first_difference(snapshot.get("batches"), expected.get("batches"), "/batches")
+        if found is not None:
+            path, got, want = found
+            raise ResumeMismatch(
+                f"resuming from a save at step {at}: the data order differs: step {int(key) + 1} starts with other "
+                f"batches than in the uninterrupted run ({path}: resumed {_show(got)}, uninterrupted {_show(want)}). "
+                "A resumed run must see the batches the uninterrupted one saw: a fixed order, or a sampler whose "
+                "order comes from a seed and the epoch (not from an RNG drawn at the iterator's creation)",
                 key,
                 path,
             )
@@ -113,9 +138,21 @@ def _check_at(make_engine: Callable[[], Engine], at: int, reference: dict[int | 
         raise ResumeMismatch(f"the resumed run stopped early: it reached {sorted(map(str, resumed))}", "end", "")
 
 
+def _name(path: str, snapshot: Snapshot) -> str:
+    """``/attributes/P/field/...`` as ``P.field`` (saying when ``state_dict()`` leaves it out); others as they are."""
+    parts = path.split("/")
+    if len(parts) < 4 or parts[1] != "attributes":
+        return path
+    plugin, field = parts[2], parts[3].removesuffix(" (length)")
+    rest = "/".join(parts[4:])
+    saved = field in snapshot["plugins"].get(plugin, {})
+    where = "" if saved else ", an attribute not in its state_dict()"
+    return f"{path} (plugin attribute {plugin}.{field}{'/' + rest if rest else ''}{where})"
+
+
 def _compared(snapshot: Snapshot) -> Snapshot:
-    """What must be equal: attributes are only a hint (a plugin may keep a start time, a file handle...)."""
-    return {k: v for k, v in snapshot.items() if k != "attributes"}
+    """What must be equal before the batches: State, plugin states, model, optimizer, then plugin attributes."""
+    return {k: v for k, v in snapshot.items() if k not in ("batches", "private")}
 
 
 def _where(key: int | str, at: int) -> str:
@@ -124,7 +161,7 @@ def _where(key: int | str, at: int) -> str:
     return "right after loading (before any step)" if key == at else f"before step {int(key) + 1}"
 
 
-def _record(engine: Engine, resume: Snapshot | None) -> dict[int | str, Snapshot]:
+def _record(engine: Engine, resume: Snapshot | None, ignored: frozenset[str]) -> dict[int | str, Snapshot]:
     """Run ``engine`` (resumed from ``resume``); its snapshots by steps done, and "end"."""
     snapshots: dict[int | str, Snapshot] = {}
     if resume is not None:
@@ -147,7 +184,10 @@ def _record(engine: Engine, resume: Snapshot | None) -> dict[int | str, Snapshot
 
     def snapshot(ev: Any) -> None:  # before the step's handlers: the state the previous step left
         key = "end" if isinstance(ev, TrainEndEvent) else engine.state.global_step
-        snapshots.setdefault(key, _snapshot(engine))
+        if key not in snapshots:
+            snapshots[key] = _snapshot(engine, ignored)
+            if isinstance(ev, StepStartEvent):  # the window this step starts with, as the data gave it
+                snapshots[key]["batches"] = _detached(ev.batches)
 
     engine.on(Event.STEP_START, snapshot, priority=Priority.FIRST + 100, name="resume_check.snapshot")
     engine.on(Event.TRAIN_END, snapshot, priority=Priority.FIRST + 100, name="resume_check.snapshot")
@@ -182,7 +222,22 @@ def _interrupted(engine: Engine, at: int) -> Snapshot:
     return saved
 
 
-def _snapshot(engine: Engine) -> Snapshot:
+def _detached(value: Any) -> Any:
+    """A copy of a window of batches: tensors detached to the CPU, containers rebuilt, other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {key: _detached(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return (
+            type(value)(_detached(item) for item in value)
+            if type(value) in (list, tuple)
+            else list(map(_detached, value))
+        )
+    return copy.deepcopy(value)
+
+
+def _snapshot(engine: Engine, ignored: frozenset[str] = frozenset()) -> Snapshot:
     assert engine.optimizer is not None
     state = engine.state.to_dict()
     state.pop("event_counts")
@@ -191,13 +246,24 @@ def _snapshot(engine: Engine) -> Snapshot:
         "plugins": {p.name: p.state_dict() for p in engine.plugins},
         "model": engine.model.state_dict(),
         "optimizer": engine.optimizer.state_dict(),
-        "attributes": {p.name: _data_attributes(p) for p in engine.plugins},
+        "attributes": {p.name: _data_attributes(p, ignored, private=False) for p in engine.plugins},
+        "private": {p.name: _data_attributes(p, ignored, private=True) for p in engine.plugins},
     })  # fmt: skip
 
 
-def _data_attributes(plugin: Any) -> dict[str, Any]:
-    """The plugin's attributes that hold plain data (what a forgotten state field looks like)."""
-    return {k: v for k, v in vars(plugin).items() if not k.startswith("_plugin") and _is_data(v)}
+def _data_attributes(plugin: Any, ignored: frozenset[str], private: bool) -> dict[str, Any]:
+    """The plugin's public (or private) attributes that hold plain data (what a forgotten state field
+    looks like), less the ones it declares ``not_resumed`` and those in ``ignored`` (``"Plugin.attribute"``)."""
+    skip = set(getattr(plugin, "not_resumed", ()))
+    return {
+        k: v
+        for k, v in vars(plugin).items()
+        if k.startswith("_") == private
+        and not k.startswith("_plugin")
+        and k not in skip
+        and f"{plugin.name}.{k}" not in ignored
+        and _is_data(v)
+    }
 
 
 def _is_data(value: Any, depth: int = 0) -> bool:
@@ -216,10 +282,10 @@ def _attribute_hint(resumed: Snapshot | None, reference: Snapshot | None) -> str
     if resumed is None or reference is None:
         return ""
     lines = []
-    for plugin, attributes in resumed["attributes"].items():
+    for plugin, attributes in resumed["private"].items():
         state = resumed["plugins"].get(plugin, {})
         for name, value in attributes.items():
-            want = reference["attributes"].get(plugin, {}).get(name, value)
+            want = reference["private"].get(plugin, {}).get(name, value)
             if name not in state and first_difference(value, want) is not None:
                 lines.append(f"{plugin}.{name} (resumed {_show(value)}, uninterrupted {_show(want)})")
     if not lines:
