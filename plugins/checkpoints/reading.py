@@ -18,6 +18,7 @@ from . import io as cio
 from . import verified
 from .frozen import check_base
 from .history import read_log_history, untag
+from .restored import check_rng_states, check_state_fields
 from .safety import DamagedCheckpoint, damaged
 from .sharded import SHARDED, load_shards, world_size_error
 
@@ -80,6 +81,7 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Loaded:
         rng = files.bundle(stem)
         if not isinstance(rng, dict) or "python" not in rng or "torch" not in rng:
             raise DamagedCheckpoint(f"checkpoint file {directory / (stem + '.json')} lacks the python/torch RNG states")
+        check_rng_states(rng, directory / f"{stem}.json")
         weights = optimizer = None
         if not sharded:
             weights = files.tensors("model.safetensors")
@@ -119,6 +121,7 @@ def _trainer_state(files: verified.CheckedFiles, manifest: dict[str, Any]) -> St
         state = State.from_dict(untag(value) if b'"__float__"' in data else value)  # as State.from_json
     except Exception as exc:
         raise DamagedCheckpoint(f"checkpoint file {path} is not a valid trainer state: {exc}") from exc
+    check_state_fields(vars(state), path, manifest)  # types, ranges, agreement (restored.py)
     older = read_log_history(files, manifest)  # the segments of a long history (history.py)
     if older:
         state.log_history = older + state.log_history

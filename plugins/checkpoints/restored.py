@@ -1,0 +1,127 @@
+"""The values a checkpoint restores, checked while it is read: types, ranges, agreement (#29 item 7).
+
+The hashes in a manifest say a file is as written, not that what was written makes sense: a state
+rewritten and rehashed, or written by a buggy version, was applied as it was (``global_step`` 1e30
+"finished" without training, -7 trained 77 steps, 60.5 named the next checkpoint ``checkpoint-70.5``,
+a string ``batches_in_epoch`` failed deep in the data plugin). So ``reading.read_checkpoint`` checks
+here every field of the trainer state (its type, its range, and the counters against each other
+and against the manifest) and that the RNG states can be set, before anything is applied; what
+fails is damage (``safety.DamagedCheckpoint``, naming the field and the file), so a resume with
+``True`` falls back to the checkpoint before. The weights' dtypes are checked where they are loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .rng import rng_state, set_rng_state
+from .safety import DamagedCheckpoint
+
+__all__ = ["COUNT_MAX", "check_rng_states", "check_state_fields"]
+
+#: the largest counter a checkpoint may hold (torch's int64; no run takes 2**63 steps)
+COUNT_MAX = 2**63 - 1
+#: counters: integers in [0, COUNT_MAX]
+_COUNTS = (
+    "global_step", "max_steps", "logging_steps", "save_steps", "num_input_tokens_seen", "epochs_completed",
+    "epoch_step", "batches_in_epoch", "optimizer_steps_taken", "micro_steps",
+)  # fmt: skip
+#: counters that may be None (unknown, unset); the smallest value each may take otherwise
+_OPTIONAL_COUNTS = {"steps_per_epoch": 1, "eval_steps": 0, "train_batch_size": 1, "best_global_step": 0}
+_FLAGS = ("is_local_process_zero", "is_world_process_zero", "is_hyper_param_search")
+_TEXTS = ("best_model_checkpoint", "trial_name")
+#: counters no larger than another one: (field, bound, why)
+_AT_MOST = (
+    ("epoch_step", "global_step", "the optimizer steps of the epoch are steps of the run"),
+    ("optimizer_steps_taken", "global_step", "steps taken are steps counted"),
+    ("best_global_step", "global_step", "the best step cannot be after the checkpoint's"),
+    ("batches_in_epoch", "micro_steps", "the micro-batches of the epoch are micro-batches of the run"),
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_state_fields(fields: Mapping[str, Any], path: Path, manifest: Mapping[str, Any]) -> None:
+    """Refuse (DamagedCheckpoint) a trainer state (``path``) whose fields a run cannot have written."""
+
+    def refuse(name: str, allowed: str) -> None:
+        raise DamagedCheckpoint(
+            f"checkpoint file {path} holds {name}={fields.get(name)!r:.80}; {allowed}: the state is damaged or forged"
+        )
+
+    for name in _COUNTS:
+        if not (_is_int(fields.get(name)) and 0 <= fields[name] <= COUNT_MAX):
+            refuse(name, f"it must be an integer from 0 to {COUNT_MAX}")
+    for name, least in _OPTIONAL_COUNTS.items():
+        value = fields.get(name)
+        if value is not None and not (_is_int(value) and least <= value <= COUNT_MAX):
+            refuse(name, f"it must be null or an integer from {least} to {COUNT_MAX}")
+    for name in ("epoch", "total_flos", "num_train_epochs"):
+        value = fields.get(name)
+        if not (_is_number(value) and math.isfinite(value) and value >= 0):
+            refuse(name, "it must be a finite number >= 0")
+    if fields.get("best_metric") is not None and not _is_number(fields["best_metric"]):
+        refuse("best_metric", "it must be null or a number")
+    for name in _FLAGS:
+        if not isinstance(fields.get(name), bool):
+            refuse(name, "it must be true or false")
+    for name in _TEXTS:
+        if fields.get(name) is not None and not isinstance(fields[name], str):
+            refuse(name, "it must be null or a string")
+    _check_containers(fields, refuse)
+    for name, bound, why in _AT_MOST:
+        value = fields.get(name)
+        if value is not None and value > fields[bound]:
+            refuse(name, f"it must be at most {bound} ({fields[bound]}): {why}")
+    listed = manifest.get("global_step", fields["global_step"])
+    if listed != fields["global_step"]:
+        raise DamagedCheckpoint(
+            f"checkpoint file {path} holds global_step {fields['global_step']} but its manifest says {listed!r:.40}: "
+            "the state is damaged or forged"
+        )
+
+
+def _check_containers(fields: Mapping[str, Any], refuse: Any) -> None:
+    if fields.get("trial_params") is not None and not isinstance(fields["trial_params"], dict):
+        refuse("trial_params", "it must be null or an object")
+    if not isinstance(fields.get("stateful_callbacks"), dict):
+        refuse("stateful_callbacks", "it must be an object")
+    counts = fields.get("event_counts")
+    if not isinstance(counts, dict) or not all(_is_int(v) and 0 <= v <= COUNT_MAX for v in counts.values()):
+        refuse("event_counts", "it must be an object of event names to integers >= 0")
+    history = fields.get("log_history")
+    if not isinstance(history, list) or not all(isinstance(record, dict) for record in history):
+        refuse("log_history", "it must be a list of log records (objects)")
+
+
+def check_rng_states(rng: Mapping[str, Any], path: Path) -> None:
+    """Refuse RNG states (``path``) that cannot be set: each is set once, then this process's are put back."""
+    bundles = [("", rng)]
+    in_flight = rng.get("in_flight")
+    if in_flight is not None:
+        if not isinstance(in_flight, Mapping) or "python" not in in_flight or "torch" not in in_flight:
+            raise DamagedCheckpoint(f"checkpoint file {path}: the in-flight RNG states lack the python/torch states")
+        bundles.append(("in-flight ", in_flight))
+    own = rng_state()
+    try:
+        for kind, states in bundles:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # CUDA states where there is no CUDA: the resume warns
+                    set_rng_state(states)
+            except Exception as exc:  # what each generator's setstate raises: TypeError, ValueError, RuntimeError
+                raise DamagedCheckpoint(
+                    f"checkpoint file {path} holds {kind}RNG states that cannot be set: {type(exc).__name__}: {exc}"
+                ) from exc
+    finally:
+        set_rng_state(own)
