@@ -80,7 +80,8 @@ class EarlyStopping(MetricPlugin):
             return None
         return [
             f"nothing schedules an evaluation, so it never sees {self.key!r} and never stops the run; "
-            "attach FlowControl(eval_strategy='steps' or 'epoch') (or a plugin whose schedules() has 'evaluate')"
+            "attach FlowControl(eval_strategy='steps' or 'epoch'), or a plugin whose schedules() has 'evaluate' "
+            "(a plain handler setting control.should_evaluate is not seen: then ignore CompositionWarning)"
         ]
 
     def state_dict(self) -> dict[str, Any]:
