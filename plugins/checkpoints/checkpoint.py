@@ -289,6 +289,7 @@ class Checkpointing(Plugin):
         self.save_only_model = save_only_model
         self.model_folder = model_folder  # writes config.json, tokenizer files, ... into each checkpoint
         self.last_metric: float | None = None
+        self.resumable_next = False  # the next save is a stop's (Preemption): whole, whatever save_only_model says
         self.last_saved: Path | None = None
         self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
         self.claim = RunClaim(self.output_dir)  # the output_dir lock and which checkpoints are this run's
@@ -368,17 +369,19 @@ class Checkpointing(Plugin):
         rng_states = gather_to_main(checkpoint_rng_state(engine))  # every rank's, on rank 0 (all ranks call it)
         final = self.output_dir / f"{PREFIX}{engine.state.global_step}"
         main = rank() == 0 and engine.state.is_world_process_zero
+        model_only = self.save_only_model and not self.resumable_next  # a stop's checkpoint is resumed from
+        self.resumable_next = False  # taken before writing: a signal during this save asks for the next one
         info: dict[str, Any] = {}
         if self.best_metric_key is not None:
             info["metric"] = {"key": self.best_metric_key, "value": self.last_metric}
         try:
             if saved_by_every_rank(engine.model):  # FSDP / DeepSpeed: every rank writes its own part
                 save_sharded_checkpoint(
-                    engine, self.output_dir, info=info, rng_states=rng_states, model_only=self.save_only_model
+                    engine, self.output_dir, info=info, rng_states=rng_states, model_only=model_only
                 )
             elif main:
                 save_checkpoint(
-                    engine, self.output_dir, info=info, rng_states=rng_states, model_only=self.save_only_model,
+                    engine, self.output_dir, info=info, rng_states=rng_states, model_only=model_only,
                     model_folder=self.model_folder,
                 )  # fmt: skip
             self.claim.wrote = True

@@ -25,6 +25,7 @@ lands at most nine steps after the signal, inside the usual grace period before 
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -39,6 +40,7 @@ import torch
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 
 from ..distributed.processes import world_size
+from . import worker_signals
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine, StepEndEvent, TrainEndEvent, TrainStartEvent
@@ -47,6 +49,8 @@ logger = logging.getLogger("trainbus")
 
 #: steps between agreements across processes (one process checks every step)
 DEFAULT_CHECK_EVERY = 10
+#: how the exit message says to resume, in the Engine's words (the Trainer passes its own: ``resume_hint``)
+ENGINE_RESUME = "resume(engine, True) before engine.fit() (trainbus.plugins.checkpoints.checkpoint.resume)"
 
 
 class TrainingInterrupted(SystemExit):
@@ -62,19 +66,24 @@ class TrainingInterrupted(SystemExit):
         checkpoint: the checkpoint written at that step (None without a Checkpointing plugin).
     """
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+    def __init__(
+        self, signum: int, step: int, checkpoint: str | None, resume_hint: str = ENGINE_RESUME, resumable: bool = True
+    ) -> None:
         super().__init__(128 + signum)
         self.signal = signum
         self.step = step
         self.checkpoint = checkpoint
+        self.resume_hint = resume_hint
+        self.resumable = resumable
 
     def __str__(self) -> str:
         name = signal.Signals(self.signal).name
-        where = (
-            f"checkpoint saved: {self.checkpoint}; resume with trainer.train(resume_from_checkpoint=True)"
-            if self.checkpoint is not None
-            else "no checkpoint was written (no Checkpointing plugin is attached)"
-        )
+        if self.checkpoint is None:
+            where = "no checkpoint was written (no Checkpointing plugin is attached)"
+        elif self.resumable:
+            where = f"checkpoint saved: {self.checkpoint}; resume with {self.resume_hint}"
+        else:  # written by a saver that keeps the model only: say so, never promise a resume
+            where = f"checkpoint saved: {self.checkpoint}, with the model only: it cannot be resumed from"
         return f"training stopped by {name} at step {self.step} (the step boundary after the signal); {where}"
 
 
@@ -84,6 +93,13 @@ class Preemption(Plugin):
     Args:
         check_every: steps between checks across processes (default 10; one process checks every step).
         signals: the signals that request the stop (default SIGTERM and SIGINT).
+        resume_hint: how the exit message says to resume (default the Engine's ``resume(engine, True)``;
+            the Trainer says ``trainer.train(resume_from_checkpoint=True)``).
+
+    The stop checkpoint is always resumable: a Checkpointing plugin with ``save_only_model=True``
+    writes this one whole (it is what the next run resumes from). While the handlers are installed,
+    DataLoader workers forked by this process ignore SIGTERM and SIGINT (``worker_signals.py``), so a
+    signal to the whole process group (SLURM, a terminal) stops the run here, not in its workers.
 
     Example:
         >>> import signal, torch
@@ -101,7 +117,11 @@ class Preemption(Plugin):
     priority = Priority.CONSUMER  # after FlowControl (PRODUCER) set this step's flags
 
     def __init__(
-        self, check_every: int | None = None, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
+        self,
+        check_every: int | None = None,
+        signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+        *,
+        resume_hint: str = ENGINE_RESUME,
     ) -> None:
         if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)):
             raise ConfigError(f"check_every must be a positive int or None, got {check_every!r}")
@@ -109,6 +129,7 @@ class Preemption(Plugin):
             raise ConfigError(f"check_every must be a positive int or None, got {check_every!r}")
         self.check_every = check_every
         self.signals = tuple(signals)
+        self.resume_hint = resume_hint
         self.received: int | None = None  # the signal that asked for the stop (this process)
         self.stopped_at: int | None = None  # the step training stopped at, once it did
         self._previous: dict[int, Any] = {}
@@ -142,6 +163,7 @@ class Preemption(Plugin):
             return
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._on_signal)
+        worker_signals.activate()  # DataLoader workers forked from now on ignore the stop (the group's SIGTERM)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None and signum == signal.SIGINT:
@@ -150,6 +172,7 @@ class Preemption(Plugin):
         if self.received is None:
             self.received = signum
             if self._every == 1 and self._engine is not None:  # one process: stop after this step, saving
+                _want_resumable_save(self._engine)
                 self._engine.control.should_save = True
                 self._engine.control.should_training_stop = True
             hint = " (press Ctrl-C again to stop at once, without a checkpoint)" if signum == signal.SIGINT else ""
@@ -169,6 +192,7 @@ class Preemption(Plugin):
             return
         self.received = agreed
         self.stopped_at = state.global_step
+        _want_resumable_save(ev.engine)
         control = ev.engine.control
         control.should_save = True
         control.should_training_stop = True
@@ -181,7 +205,14 @@ class Preemption(Plugin):
         if self._agreeing is None and self.received is not None and self._stopped_by_signal(ev.engine):
             self.stopped_at = ev.engine.state.global_step  # one process: the flags the handler set were acted on
         if self.stopped_at is not None and self.received is not None:
-            interrupted = TrainingInterrupted(self.received, self.stopped_at, _checkpoint_of(ev.engine))
+            checkpoint = _checkpoint_of(ev.engine)
+            interrupted = TrainingInterrupted(
+                self.received,
+                self.stopped_at,
+                checkpoint,
+                self.resume_hint,
+                checkpoint is None or _resumable(checkpoint),
+            )
             if ev.engine.state.is_world_process_zero:
                 _say(f"trainbus: {interrupted}; exiting with status {interrupted.code}")
             raise interrupted
@@ -201,6 +232,8 @@ class Preemption(Plugin):
         previous, self._previous = self._previous, {}
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if previous:
+            worker_signals.deactivate()
 
     def _agree(self, received: int | None) -> int | None:
         """The largest pending signal number over all ranks (None when no rank has one): one CPU all-reduce."""
@@ -229,6 +262,22 @@ def _checkpoint_of(engine: Engine) -> str | None:
         if isinstance(saved, str | Path) and Path(saved).name.endswith(f"-{engine.state.global_step}"):
             return str(saved)
     return None
+
+
+def _want_resumable_save(engine: Engine) -> None:
+    """Tell the savers (Checkpointing's ``resumable_next``) that the coming save is a stop's: whole, resumable."""
+    for plugin in engine.plugins:
+        if hasattr(plugin, "resumable_next"):
+            plugin.resumable_next = True
+
+
+def _resumable(checkpoint: str) -> bool:
+    """Whether the checkpoint holds the training state (its manifest does not mark it model-only)."""
+    try:
+        manifest = json.loads((Path(checkpoint) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True  # unreadable here: the resume will say what is wrong with it
+    return not (isinstance(manifest, dict) and manifest.get("model_only"))
 
 
 def _say(text: str) -> None:

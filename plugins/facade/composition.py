@@ -196,7 +196,8 @@ def _eval_and_save_plugins(trainer: Any, args: TrainingArguments, preprocess_log
     if args.load_best_model_at_end:
         plugins.append(LoadBestModelAtEnd())
     plugins.append(FlowControl.from_args(args))
-    plugins.append(Preemption())  # SIGTERM / a first Ctrl-C: checkpoint at the next step, exit 143 / 130
+    # SIGTERM / a first Ctrl-C: checkpoint at the next step, exit 143 / 130; the exit message in the Trainer's words
+    plugins.append(Preemption(resume_hint="trainer.train(resume_from_checkpoint=True)"))
     return plugins
 
 
