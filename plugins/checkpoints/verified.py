@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import codec
+from . import codec, tensor_reader
 from . import io as cio
 from .safety import (
     MAX_JSON_BYTES,
@@ -204,6 +204,8 @@ class CheckedFiles:
         if not self.verify:
             return cio.read_tensors(path, owned=owned) if load else {}
         opened = _open_checked(path, self.files[name], self.manifest_path)
+        if owned and load and tensor_reader.SUPPORTED:
+            return self._read_hashing(path, opened)
         hashed = cio.io_pool().submit(opened.digest)  # closes the descriptor
         self.pending.append((path, hashed))
         try:
@@ -211,6 +213,27 @@ class CheckedFiles:
         except Exception:  # a file safetensors cannot parse: named as altered when its hash says so
             _check_hash(path, *hashed.result(), self.files[name], self.manifest_path)
             raise
+
+    def _read_hashing(self, path: Path, opened: _Opened) -> dict[str, torch.Tensor]:
+        """Tensors of memory of their own, each chunk hashed as it is read into them (one pass over the file).
+
+        The digest is checked with the pending ones (``settle``), in read order, before anything is applied.
+        """
+        entry = self.files[path.name]
+        hasher = cio.HASHES[opened.algorithm]()
+        try:
+            tensors = cio.read_tensors(path, owned=True, size=opened.size, fd=opened.fd, hasher=hasher)
+        except Exception:  # a file that cannot be parsed: named as altered when its hash says so
+            os.lseek(opened.fd, 0, os.SEEK_SET)  # digest_fd reads a small file from where the descriptor is
+            _check_hash(path, cio.digest_fd(opened.fd, opened.size, opened.algorithm), opened.algorithm, entry,
+                        self.manifest_path)  # fmt: skip
+            raise
+        finally:
+            os.close(opened.fd)
+        hashed: futures.Future[tuple[str, str]] = futures.Future()
+        hashed.set_result((hasher.hexdigest(), opened.algorithm))
+        self.pending.append((path, hashed))
+        return tensors
 
     def bundle(self, stem: str) -> Any:
         """What ``write_bundle`` wrote as ``stem``; its tensors are loaded only if its JSON refers to one."""

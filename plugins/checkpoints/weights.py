@@ -11,10 +11,10 @@ device. Here the declared targets are dropped as transformers does (a pattern se
 prefixed with its submodule's path); of several undeclared names the sorted first is kept, as
 safetensors would.
 
-``load_weights`` checks names, ties and shapes before it copies. Keys left out only because they
-are tied to a loaded one are fine (a checkpoint may hold either name of a tied pair), as are keys a
-checkpoint leaves out on purpose (``may_lack``: a verified frozen base's parameters); anything else
-that does not fit is refused before a tensor is copied. ``io.py`` re-exports it.
+``load_weights`` checks names, ties, shapes and dtypes (``check_dtypes``) before it copies. Keys left
+out only because they are tied to a loaded one are fine (a checkpoint may hold either name of a tied
+pair), as are keys a checkpoint leaves out on purpose (``may_lack``: a verified frozen base's
+parameters); anything else that does not fit is refused before a tensor is copied. ``io.py`` re-exports it.
 """
 
 from __future__ import annotations
@@ -92,7 +92,31 @@ def load_weights(
     if misfits:  # refused before anything is copied (load_state_dict copies the fitting ones, then raises)
         shapes = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in misfits[:5]]
         raise ConfigError(f"{where} does not fit the model: (name, saved shape, model shape) {shapes}")
+    check_dtypes(model, state, where, own)
     try:
         model.load_state_dict(dict(state), strict=False)
     except RuntimeError as exc:
         raise ConfigError(f"{where} does not fit the model: {exc}") from exc
+
+
+def check_dtypes(
+    model: torch.nn.Module,
+    state: Mapping[str, torch.Tensor],
+    where: str,
+    own: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Refuse saved weights whose dtype is not the model's: ConfigError naming them and both dtypes.
+
+    ``load_state_dict`` casts silently, so an ``int32`` header over ``float32`` bytes (same shapes,
+    same sizes) would load the bits as integers, and ``float16`` over ``bfloat16`` as other numbers:
+    garbage that trains on. A checkpoint of the run holds its model's own dtypes.
+    """
+    own = model.state_dict(keep_vars=True) if own is None else own
+    wrong = [(k, t.dtype, own[k].dtype) for k, t in state.items() if k in own and own[k].dtype != t.dtype]
+    if wrong:
+        listed = [(k, str(a).removeprefix("torch."), str(b).removeprefix("torch.")) for k, a, b in wrong[:5]]
+        raise ConfigError(
+            f"{where} does not fit the model: {len(wrong)} weight(s) saved with another dtype than the model's "
+            f"(name, saved dtype, model dtype) {listed}; a checkpoint holds the dtypes of the model that saved it: "
+            "load it into a model of those dtypes (cast the model after loading if you need another)"
+        )
