@@ -61,7 +61,7 @@ def link_tree(project: Path, package_dir: Mapping[str, str], folder: Path) -> Pa
     return folder
 
 
-class typed_editable_wheel(editable_wheel):  # noqa: N801  # setuptools' command naming
+class typed_editable_wheel(editable_wheel):  # setuptools' command naming
     def _select_strategy(self, name: str, tag: str, build_lib: Any) -> Any:
         mode = str(getattr(self, "mode", None) or "").lower()
         package_dir = dict(self.distribution.package_dir or {})
