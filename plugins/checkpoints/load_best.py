@@ -14,6 +14,7 @@ from trainbus.engine.events import Payload
 from ..distributed.processes import broadcast_from_main, rank
 from . import io as cio
 from .frozen import check_base
+from .restored import BEST_NAME
 from .resuming import verify_best_weights
 from .rotation import warn
 from .safety import DamagedCheckpoint
@@ -28,9 +29,11 @@ class LoadBestModelAtEnd(Plugin):
 
     Runs first at TRAIN_END so that later handlers (a final save_model) see the best weights.
     Without a best checkpoint (no evaluation, or the best step was not saved) it warns and keeps
-    the last weights, as HF does. A best checkpoint that is damaged (or does not fit the model) is
-    warned about and the run keeps its own weights: the finish of a long run never fails on it. The
-    weights file is checked whole before anything is copied, so the model is never half loaded.
+    the last weights, as HF does. Only a ``checkpoint-N`` directory whose manifest says step N is
+    loaded (a resume names the best inside the run's directory: ``restored.trusted_best``). A best
+    checkpoint that is damaged (or does not fit the model) is warned about and the run keeps its own
+    weights: the finish of a long run never fails on it. The weights file is checked whole before
+    anything is copied, so the model is never half loaded.
     """
 
     priority = Priority.FIRST
@@ -42,14 +45,14 @@ class LoadBestModelAtEnd(Plugin):
         engine = ev.engine
         best = engine.state.best_model_checkpoint
         if best is None:
-            logger.warning("load_best_model_at_end: no best checkpoint was recorded; keeping the last weights")
+            logger.warning("LoadBestModelAtEnd: no best checkpoint was recorded; keeping the last weights")
             return
         directory = Path(best)
         problem = None
         manifest: dict[str, Any] = {}
         if rank() == 0:  # rank 0 checks, so that every rank loads or none does
             try:
-                manifest = verify_best_weights(directory)
+                manifest = _checked(directory)
             except DamagedCheckpoint as exc:
                 problem = str(exc)
         problem = broadcast_from_main(problem)
@@ -60,11 +63,23 @@ class LoadBestModelAtEnd(Plugin):
                 problem = str(exc)
         if problem is not None:
             warn(
-                f"load_best_model_at_end: the best checkpoint {best} cannot be loaded ({problem}); "
+                f"LoadBestModelAtEnd: the best checkpoint {best} cannot be loaded ({problem}); "
                 "keeping the run's own weights"
             )
             return
         logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)
+
+
+def _checked(directory: Path) -> dict[str, Any]:
+    """The manifest of a best checkpoint whose weights are intact, and which is a checkpoint of a run:
+    named ``checkpoint-N``, with N the step its manifest records (a resume trusts no other: restored.py)."""
+    match = BEST_NAME.match(directory.name)
+    if match is None:
+        raise DamagedCheckpoint(f"{directory} is not a checkpoint-N directory of the run")
+    manifest = verify_best_weights(directory)
+    if manifest.get("global_step", int(match.group(1))) != int(match.group(1)):
+        raise DamagedCheckpoint(f"{directory} holds the checkpoint of step {manifest.get('global_step')!r:.40}")
+    return manifest
 
 
 def _load_best(model: torch.nn.Module, directory: Path, manifest: dict[str, Any]) -> None:

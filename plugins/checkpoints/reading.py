@@ -7,6 +7,8 @@ damaged or unfitting checkpoint leaves the engine as it was.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +20,11 @@ from . import io as cio
 from . import verified
 from .frozen import check_base
 from .history import read_log_history, untag
-from .restored import check_rng_states, check_state_fields
+from .restored import check_rng_states, check_state_fields, trusted_best
 from .safety import DamagedCheckpoint, damaged
 from .sharded import SHARDED, load_shards, world_size_error
+
+logger = logging.getLogger("trainbus.checkpoint")
 
 
 def rng_file_stems(processes: int) -> list[str]:
@@ -122,6 +126,12 @@ def _trainer_state(files: verified.CheckedFiles, manifest: dict[str, Any]) -> St
     except Exception as exc:
         raise DamagedCheckpoint(f"checkpoint file {path} is not a valid trainer state: {exc}") from exc
     check_state_fields(vars(state), path, manifest)  # types, ranges, agreement (restored.py)
+    # the best checkpoint by its name, next to this one: never a path the state names (restored.py)
+    best, forgotten = trusted_best(state.best_model_checkpoint, files.directory, state.global_step)
+    state.best_model_checkpoint = best
+    if forgotten is not None:
+        logger.warning("%s: %s", path, forgotten)
+        warnings.warn(f"checkpoint file {path}: {forgotten}", stacklevel=4)
     older = read_log_history(files, manifest)  # the segments of a long history (history.py)
     if older:
         state.log_history = older + state.log_history

@@ -13,6 +13,7 @@ fails is damage (``safety.DamagedCheckpoint``, naming the field and the file), s
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +22,10 @@ from typing import Any
 from .rng import rng_state, set_rng_state
 from .safety import DamagedCheckpoint
 
-__all__ = ["COUNT_MAX", "check_rng_states", "check_state_fields"]
+__all__ = ["COUNT_MAX", "BEST_NAME", "check_rng_states", "check_state_fields", "trusted_best"]
+
+#: what a best checkpoint is named in its run directory (directory.NAME; restated: directory.py imports more)
+BEST_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 #: the largest counter a checkpoint may hold (torch's int64; no run takes 2**63 steps)
 COUNT_MAX = 2**63 - 1
@@ -125,3 +129,25 @@ def check_rng_states(rng: Mapping[str, Any], path: Path) -> None:
                 ) from exc
     finally:
         set_rng_state(own)
+
+
+def trusted_best(value: str | None, directory: Path, global_step: int) -> tuple[str | None, str | None]:
+    """The best checkpoint a resume from ``directory`` trusts: (its path, None), or (None, why it was forgotten).
+
+    ``best_model_checkpoint`` is kept in trainer_state.json as transformers writes it: the run's
+    output_dir joined with ``checkpoint-N``, as the run named it then (relative to the working directory
+    of that time, in a folder since moved or copied, or forged). Only its last part is trusted, and
+    only as a checkpoint of the run the resume continues: ``checkpoint-N`` (N at most the step resumed)
+    next to ``directory``. Nothing outside that folder is ever named, whatever the state says.
+    """
+    if value is None:
+        return None, None
+    name = re.split(r"[\\/]", value)[-1]
+    match = BEST_NAME.match(name)
+    if match is None or int(match.group(1)) > global_step:
+        return None, (
+            f"best_model_checkpoint {value!r:.200} names no checkpoint-N of this run (its last part must be "
+            f"checkpoint-<step>, the step at most {global_step}); forgotten: a LoadBestModelAtEnd keeps the run's "
+            "own weights at the end unless the run saves a new best"
+        )
+    return str(directory.parent / name), None
