@@ -68,14 +68,14 @@ def write_tokenizer(directory: Path) -> str:
     return str(directory)
 
 
-def tiny_model(model_type: str, vocab_size: int, dropout: float = 0.0) -> Any:
+def tiny_model(model_type: str, vocab_size: int, dropout: float = 0.0, seed: int = 0) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **CONFIGS[model_type])
     for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"):
         if hasattr(config, name):
             setattr(config, name, dropout)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -159,3 +159,26 @@ def as_run(name: str, trainer: Any) -> Run:
 
 def logged(trainer: Any, key: str) -> list[float]:
     return [float(r[key]) for r in trainer.state.log_history if key in r]
+
+
+def dpo_script(implementation: str, tokenizer_dir: str, model_type: str, train: list[dict[str, Any]],
+               config: dict[str, Any], eval_rows: list[dict[str, Any]] | None = None, peft_config: Any = None,
+               with_ref_model: bool = True, ref_seed: int = 0) -> Any:  # fmt: skip
+    """The DPO script; ``with_ref_model`` passes a reference model (the initial policy when ``ref_seed`` is 0)."""
+    if implementation == "trl":
+        from trl import DPOConfig, DPOTrainer
+    else:
+        from trainbus.trl import DPOConfig, DPOTrainer
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = tiny_model(model_type, len(tokenizer))
+    ref_model = tiny_model(model_type, len(tokenizer), seed=ref_seed) if with_ref_model else None
+    eval_dataset = None if eval_rows is None else Dataset.from_list(eval_rows)
+    trainer = DPOTrainer(
+        model=model, ref_model=ref_model, args=DPOConfig(**config), train_dataset=Dataset.from_list(train),
+        eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=copy.deepcopy(peft_config),
+    )  # fmt: skip
+    trainer.train()
+    return trainer

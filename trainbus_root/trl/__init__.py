@@ -15,6 +15,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError("trainbus.trl needs TRL: pip install 'trainbus[trl]' (or pip install trl)") from error
 
 from .configs import DPOConfig, SFTConfig
+from .dpo_trainer import DPOTrainer
 from .sft_trainer import SFTTrainer
 
-__all__ = ["DPOConfig", "SFTConfig", "SFTTrainer"]
+__all__ = ["DPOConfig", "DPOTrainer", "SFTConfig", "SFTTrainer"]

@@ -137,6 +137,13 @@ def refuse(args: Any, **given: Any) -> None:
         raise ConfigNotImplementedError("router_aux_loss_coef (MoE load balancing) is not supported by trainbus.trl")
 
 
+def model_card_at_saves(trainer: Any) -> None:
+    """TRL writes the model card (README.md in output_dir) with every checkpoint: so does trainbus.trl."""
+    from trainbus.engine import Event
+
+    trainer.on(Event.SAVE, lambda ev: trainer.create_model_card(), name=f"{type(trainer).__name__}.model_card")
+
+
 class ColumnsOf:
     """Stands for the model where the Trainer asks which dataset columns to keep (``remove_unused_columns``):
     a forward naming TRL's signature columns (the model's own would drop ``seq_lengths`` or ``prompt_ids``)."""

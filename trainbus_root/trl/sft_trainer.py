@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from trainbus.engine import ConfigError, Event
+from trainbus.engine import ConfigError
 from trainbus.engine.errors import ConfigNotImplementedError
 from trainbus.plugins import Trainer
 from trainbus.plugins.facade.composition import set_seed
@@ -107,7 +107,7 @@ class SFTTrainer(Trainer):  # type: ignore[misc]  # mypy reads trainbus.* as Any
         self._model_for_columns = setup.ColumnsOf(SFT_COLUMNS)
         if callable(getattr(self.model, "add_model_tags", None)):
             self.model.add_model_tags(self._tag_names)
-        self.on(Event.SAVE, lambda ev: self.create_model_card(), name=f"{type(self).__name__}.model_card")
+        setup.model_card_at_saves(self)
 
     # -- TRL's choices, from the arguments and the first example ------------------------------------
     def _chat_template_file(self, processing_class: Any, args: Any) -> Any:
