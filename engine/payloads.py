@@ -2,7 +2,7 @@
 
 One dataclass per event (``events.py`` binds them: ``Event.LOSS`` carries a ``LossEvent``). Each
 docstring says when the event fires, what has and has not happened yet, and which fields a handler
-may replace; ``docs/events.md`` is generated from these docstrings (``python -m trainbus.engine.describe``).
+may replace; ``docs/events.md`` is generated from these docstrings (``python -m trainbus.engine.testing.describe``).
 Payloads are built only when the event has handlers, so they cost nothing on a step nobody watches.
 """
 

@@ -14,8 +14,8 @@ import trainbus.engine.bus
 import trainbus.engine.loop
 import trainbus.engine.plugin
 import trainbus.engine.state
-import trainbus.engine.sync_counter
 import trainbus.engine.testing
+import trainbus.engine.testing.sync_counter
 from trainbus.engine import ConfigError, Engine, Event, Plugin, State
 from trainbus.engine.testing import EventRecorder, LoopConfig, check_trace, toy_engine
 from trainbus.hooks import Hooks
@@ -250,7 +250,7 @@ def test_corrupt_state_json_is_a_clear_error() -> None:
         trainbus.engine.state,
         trainbus.engine.plugin,
         trainbus.engine.testing,
-        trainbus.engine.sync_counter,
+        trainbus.engine.testing.sync_counter,
     ],
 )
 def test_docstring_examples_run(module: object) -> None:

@@ -7,7 +7,7 @@ import inspect
 from pathlib import Path
 
 from trainbus.engine import Event
-from trainbus.engine.describe import DOC_PATH, render, split_attributes
+from trainbus.engine.testing.describe import DOC_PATH, render, split_attributes
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
 """docs/events.md with the default Trainer's handlers: ``python -m trainbus.plugins.cli.describe --write``.
 
-The engine renders the page from the payload docstrings (``trainbus.engine.describe``) but knows no
+The engine renders the page from the payload docstrings (``trainbus.engine.testing.describe``) but knows no
 plugin; this module builds the default Trainer and hands the page its ``describe()``, so each event
 lists the built-in plugins' handlers in the order they run. tests/test_events_doc.py fails when the
 committed page differs: a plugin whose handlers or order changed shows there.
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from trainbus.engine.describe import main as write_page
-from trainbus.engine.describe import render
+from trainbus.engine.testing.describe import main as write_page
+from trainbus.engine.testing.describe import render
 
 #: which Trainer the page describes
 SETUP = (

@@ -1,32 +1,5 @@
-"""A testing kit for loops built on trainbus: record events, check the grammar, generate configs.
-
-Installed with the ``testing`` extra (it imports hypothesis). Example property test::
-
-    from hypothesis import given
-    from trainbus.engine.testing import EventRecorder, check_trace, loop_configs, toy_engine
-
-    @given(loop_configs())
-    def test_any_loop_is_well_formed(config):
-        recorder = EventRecorder()
-        engine = toy_engine(config, plugins=[recorder])
-        engine.fit()
-        check_trace(recorder.names)
-
-and a plugin's resume (save at a step hypothesis draws, load into a fresh engine, continue)::
-
-    check_resume_equivalence(lambda: toy_engine(config, plugins=[MyPlugin()]))
-
-The grammar every trace obeys (SIDE = LOG | EVAL_START EVAL_BATCH_END* EVAL_END | SAVE)::
-
-    ( TRAIN_START SIDE* (EPOCH_START (STEP_START (BATCH_START LOSS BACKWARD_END)+
-        BEFORE_OPTIMIZER_STEP OPTIMIZER_STEP? STEP_END SIDE*)* EPOCH_END SIDE*)* TRAIN_END
-    | EVAL_START EVAL_BATCH_END* EVAL_END | LOG | SAVE
-    | PREDICT_START PREDICT_BATCH_END* PREDICT_END )*
-
-and the failure path: after any event of an open block (or right after the END that closed one,
-when a handler of that END raised) may come EXCEPTION, then exactly the ENDs still open, innermost
-first (EVAL_END / PREDICT_END, EPOCH_END, TRAIN_END), and then the trace ends or a new block starts.
-"""
+"""The kit's loop tools: record events, check the grammar, generate loop configs, build toy engines
+(re-exported by ``trainbus.engine.testing``, whose docstring shows them at work)."""
 
 from __future__ import annotations
 
@@ -38,12 +11,10 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from .bus import Priority
-from .events import END_EVENTS, Event
-from .loop import Engine
-from .plugin import Plugin
-from .resume_check import ResumeMismatch, check_resume_equivalence, first_difference
-from .sync_counter import SyncCounter, count_syncs, everything_but, on_accelerator
+from ..bus import Priority
+from ..events import END_EVENTS, Event
+from ..loop import Engine
+from ..plugin import Plugin
 
 
 class EventRecorder(Plugin):
@@ -282,13 +253,6 @@ def toy_engine(config: LoopConfig, plugins: Sequence[Plugin] = (), lr: float = 0
 
 
 __all__ = [
-    "ResumeMismatch",
-    "check_resume_equivalence",
-    "first_difference",
-    "SyncCounter",
-    "count_syncs",
-    "everything_but",
-    "on_accelerator",
     "EventRecorder",
     "LoopConfig",
     "StopAtStep",

@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from .bus import Handle, Priority
-from .errors import ConfigError
-from .events import Event, StepStartEvent, TrainEndEvent
-from .loop import Engine
-from .plugin import check_state
+from ..bus import Handle, Priority
+from ..errors import ConfigError
+from ..events import Event, StepStartEvent, TrainEndEvent
+from ..loop import Engine
+from ..plugin import check_state
 
 Snapshot = dict[str, Any]
 

@@ -1,4 +1,4 @@
-"""Render the events reference, docs/events.md, from the code: ``python -m trainbus.engine.describe``.
+"""Render the events reference, docs/events.md, from the code: ``python -m trainbus.engine.testing.describe``.
 
 The page is the events module's pseudocode, then per event (in loop order) its payload class, the
 payload's docstring (when it fires, what has and has not happened, what a handler may replace) and
@@ -16,8 +16,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import events
-from .events import Event
+from .. import events
+from ..events import Event
 
 #: the generated page, relative to the repository root
 DOC_PATH = Path("docs/events.md")
@@ -81,7 +81,7 @@ def split_attributes(doc: str) -> tuple[str, dict[str, str]]:
 
 
 def main(
-    argv: list[str] | None = None, *, text: str | None = None, prog: str = "python -m trainbus.engine.describe"
+    argv: list[str] | None = None, *, text: str | None = None, prog: str = "python -m trainbus.engine.testing.describe"
 ) -> int:
     """Print the page, or write it with ``--write`` (``text``: a page made above the engine, with orders)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
