@@ -51,7 +51,7 @@ def test_a_fresh_engine_run_sets_another_runs_checkpoints_aside_and_a_resume_nev
     engine(tmp_path, 20, seed=1).fit()  # another run: checkpoint-2 .. checkpoint-20
     assert steps(tmp_path)[-1] == 20
     crashed = engine(tmp_path, 8, limit=2, crash_at=5)
-    moved = r"held checkpoints of an earlier run .*checkpoint-20\): this fresh run moved"
+    moved = r"earlier run .*checkpoint-20\): this fresh run moved them to .*, where rotation and resume\(engine, True\)"
     with pytest.warns(UserWarning, match=moved), pytest.raises(Crash):
         crashed.fit()
     (aside,) = previous_runs(tmp_path)
@@ -125,3 +125,16 @@ def test_the_lock_is_held_during_an_engine_fit_and_released_after(tmp_path: Path
     run.on(Event.STEP_END, probe)
     run.fit()
     assert seen == [True, True] and not (tmp_path / LOCK_FILE).exists() and not OutputDirLock._held
+
+
+def test_the_trainer_passes_its_own_words(tmp_path: Path) -> None:
+    from tests.facade_helpers import Regressor, quiet_args, regression_data
+    from trainbus.plugins import Trainer
+
+    def trainer() -> Trainer:
+        args = quiet_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+        return Trainer(Regressor(), args, train_dataset=regression_data(8))
+
+    trainer().train()
+    with pytest.warns(UserWarning, match=r"where rotation and train\(resume_from_checkpoint=True\) never look"):
+        trainer().train()

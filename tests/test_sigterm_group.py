@@ -126,6 +126,39 @@ def test_dataloader_workers_ignore_stop_signals_only_while_preemption_runs(tmp_p
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the main process's own handlers are back
 
 
+def make_trainer(out: Path, workers: int, slow: float = 0.0) -> Any:
+    from tests.facade_helpers import Regressor, quiet_args, regression_data
+    from trainbus.plugins import Trainer
+
+    torch.manual_seed(0)
+    args = quiet_args(out, max_steps=STEPS, save_strategy="steps", save_steps=100, save_only_model=True, seed=3,
+                      per_device_train_batch_size=2, learning_rate=0.05, dataloader_num_workers=workers)  # fmt: skip
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=regression_data(32, seed=2))
+    if slow:
+
+        def pace(ev: Any) -> None:
+            (out / "progress").write_text(str(ev.engine.state.global_step))
+            time.sleep(slow)
+
+        trainer.on(Event.STEP_END, pace)
+    return trainer
+
+
+def test_a_trainer_with_workers_and_save_only_model_stops_on_a_group_sigterm_and_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    code, err = run_and_signal_the_group(out, "trainer")
+    assert code == 143, err
+    assert "exited unexpectedly" not in err and "killed by signal" not in err, err
+    assert "resume with trainer.train(resume_from_checkpoint=True)" in err  # the Trainer's words
+    clean = make_trainer(tmp_path / "clean", workers=0)
+    clean.train()
+    resumed = make_trainer(out, workers=0)
+    resumed.train(resume_from_checkpoint=True)  # the stop checkpoint is whole, though save_only_model=True
+    for name, value in clean.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name
+
+
 def test_the_exit_message_never_promises_a_resume_from_a_model_only_checkpoint() -> None:
     whole = TrainingInterrupted(signal.SIGTERM, 3, "out/checkpoint-3")
     assert str(whole).endswith("checkpoint saved: out/checkpoint-3; resume with " + ENGINE_RESUME)
@@ -137,4 +170,7 @@ def test_the_exit_message_never_promises_a_resume_from_a_model_only_checkpoint()
 
 if __name__ == "__main__":
     target = Path(sys.argv[1])
-    make_engine(target, workers=2, model_only="model_only" in sys.argv[2:], slow=0.05).fit()
+    if "trainer" in sys.argv[2:]:
+        make_trainer(target, workers=2, slow=0.05).train()
+    else:
+        make_engine(target, workers=2, model_only="model_only" in sys.argv[2:], slow=0.05).fit()

@@ -46,6 +46,8 @@ logger = logging.getLogger("trainbus.checkpoint")
 __all__ = ["UNSET", "RunClaim", "claim_run", "holds_state"]
 
 UNSET: Any = object()  # no caller said what this fit() resumed
+ENGINE_RESUME_TRUE = "resume(engine, True)"
+TRAINER_RESUME_TRUE = "train(resume_from_checkpoint=True)"
 
 
 class RunClaim:
@@ -57,10 +59,12 @@ class RunClaim:
         self.loaded = False  # a state was loaded into the plugin since its last save (a resume)
         self.wrote = False  # this plugin saved since it was loaded or started fresh
         self.expected: Any = UNSET  # the resume_from_checkpoint a caller announced (claim_run)
+        self.resume_true = ENGINE_RESUME_TRUE  # how its messages say "resume the newest": the caller's words
 
-    def expect(self, resume_from_checkpoint: Any) -> None:
-        """What the coming fit() resumed from (a path, True, or None/False for a fresh run)."""
-        self.expected = resume_from_checkpoint
+    def expect(self, resume_from_checkpoint: Any, resume_true: str = ENGINE_RESUME_TRUE) -> None:
+        """What the coming fit() resumed from (a path, True, or None/False for a fresh run), and how the caller's
+        users resume the newest checkpoint (for the messages)."""
+        self.expected, self.resume_true = resume_from_checkpoint, resume_true
 
     def start(self, engine: Engine) -> bool:
         """At TRAIN_START: take the lock (every rank raises if it is held), then on rank 0 finish a move a killed
@@ -74,10 +78,11 @@ class RunClaim:
                 finish_set_aside(self.output_dir)
                 new = self._new_run(engine)
                 if new:
-                    start_fresh(self.output_dir)
+                    start_fresh(self.output_dir, self.resume_true)
             except (ConfigError, OSError) as exc:
                 error = str(exc)
-        self.expected, self.loaded = UNSET, False  # this fit()'s: the next one is told (or loaded) anew
+        # this fit()'s: the next one is told (or loaded) anew
+        self.expected, self.loaded, self.resume_true = UNSET, False, ENGINE_RESUME_TRUE
         error, new = broadcast_from_main((error, new))
         if error is not None:
             self.release()
@@ -141,12 +146,13 @@ def _same_weights(file: Path, engine: Engine, count: int = 4) -> bool:
 
 
 @contextlib.contextmanager
-def claim_run(engine: Engine, resume_from_checkpoint: Any) -> Iterator[None]:
+def claim_run(engine: Engine, resume_from_checkpoint: Any, resume_true: str = TRAINER_RESUME_TRUE) -> Iterator[None]:
     """For a caller that resumes before fit() (the Trainer's train()): output_dir's lock held for the block (the
     resume reads under it), and the Checkpointing plugin told what was resumed, so that its TRAIN_START applies
     the lineage rule to ``resume_from_checkpoint`` itself (``lock.starts_a_run``).
 
-    The directory is ``engine.args.output_dir``, else the Checkpointing plugin's.
+    The directory is ``engine.args.output_dir``, else the Checkpointing plugin's. ``resume_true``: how the
+    caller's users resume the newest checkpoint, for the plugin's messages (the Trainer's words by default).
     """
     claims = [p.claim for p in engine.plugins if isinstance(getattr(p, "claim", None), RunClaim)]
     output_dir = getattr(getattr(engine, "args", None), "output_dir", None)
@@ -157,9 +163,9 @@ def claim_run(engine: Engine, resume_from_checkpoint: Any) -> Iterator[None]:
         return
     with hold_output_dir(output_dir):
         for claim in claims:
-            claim.expect(resume_from_checkpoint)
+            claim.expect(resume_from_checkpoint, resume_true)
         try:
             yield
         finally:
             for claim in claims:
-                claim.expected = UNSET
+                claim.expected, claim.resume_true = UNSET, ENGINE_RESUME_TRUE

@@ -245,10 +245,12 @@ def hold_output_dir(output_dir: str | Path) -> Iterator[None]:
             lock.release()
 
 
-def start_fresh(output_dir: str | Path) -> Path | None:
+def start_fresh(output_dir: str | Path, resume_true: str = "resume(engine, True)") -> Path | None:
     """Set the checkpoints in ``output_dir`` aside for a new run (``directory.set_aside``), warning where.
 
     Call it holding the lock, on the process that writes checkpoints. Returns the folder they went to.
+    ``resume_true``: how the caller's user resumes the newest checkpoint (the Trainer says
+    ``train(resume_from_checkpoint=True)``), for the messages.
     """
     try:
         folder = set_aside(output_dir)
@@ -256,13 +258,13 @@ def start_fresh(output_dir: str | Path) -> Path | None:
         raise ConfigError(
             f"output_dir {output_dir} holds an earlier run's checkpoints, and moving them aside for this fresh run "
             f"failed ({type(exc).__name__}: {exc}); nothing was deleted. Resume that run with "
-            "train(resume_from_checkpoint=True), or give this run another output_dir"
+            f"{resume_true}, or give this run another output_dir"
         ) from exc
     if folder is not None:
         names = ", ".join(sorted((p.name for p in folder.iterdir()), key=lambda name: (len(name), name)))
         message = (
             f"output_dir {output_dir} held checkpoints of an earlier run ({names}): this fresh run moved them "
-            f"to {folder}, where rotation and resume_from_checkpoint=True never look (resume one by its path)"
+            f"to {folder}, where rotation and {resume_true} never look (resume one by its path)"
         )
         logger.warning(message)
         warnings.warn(message, stacklevel=4)
