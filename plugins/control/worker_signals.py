@@ -79,14 +79,18 @@ def _after_fork_in_child() -> None:
     except ImportError:  # pragma: no cover - torch moved it: ignore now (its handler may not come)
         _ignore_stops(mask)
         return
-    original = signal_handling._set_worker_signal_handlers
+    name = "_set_worker_signal_handlers"  # the worker loop calls it first thing (torch/utils/data/_utils/worker.py)
+    original = getattr(signal_handling, name, None)
+    if original is None:  # pragma: no cover - torch renamed it: ignore now (its handler may not come)
+        _ignore_stops(mask)
+        return
 
     def set_worker_signal_handlers(*args: Any) -> None:
         original(*args)
-        signal_handling._set_worker_signal_handlers = original
+        setattr(signal_handling, name, original)
         _ignore_stops(mask)
 
-    signal_handling._set_worker_signal_handlers = set_worker_signal_handlers
+    setattr(signal_handling, name, set_worker_signal_handlers)
 
 
 def _ignore_stops(mask: Any) -> None:
