@@ -13,12 +13,13 @@ import torch
 
 from trainbus.engine import Engine
 
+SEEN: list[bool] = []  # per backward: was the forward's outputs tensor still alive
+
 
 class _AliveDuringBackward(torch.autograd.Function):
     """Identity whose backward records whether the probed outputs tensor is still alive."""
 
     probe: weakref.ref | None = None
-    seen: list[bool] = []
 
     @staticmethod
     def forward(ctx, x):  # type: ignore[no-untyped-def]
@@ -27,7 +28,7 @@ class _AliveDuringBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
         probe = _AliveDuringBackward.probe
-        _AliveDuringBackward.seen.append(probe is not None and probe() is not None)
+        SEEN.append(probe is not None and probe() is not None)
         return grad
 
 
@@ -45,9 +46,9 @@ class _Model(torch.nn.Module):
 
 
 def test_outputs_are_freed_before_backward() -> None:
-    _AliveDuringBackward.seen = []
+    SEEN.clear()
     model = _Model()
     data = [torch.randn(2, 4) for _ in range(4)]
     engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=data, max_steps=4)
     engine.fit()
-    assert _AliveDuringBackward.seen == [False] * 4
+    assert SEEN == [False] * 4
