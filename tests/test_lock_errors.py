@@ -68,6 +68,14 @@ def test_a_lock_file_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path) 
     assert f"{tmp_path / LOCK_FILE} is a FIFO (named pipe)" in str(fit_error(tmp_path))
 
 
+def test_a_lock_file_hard_linked_to_another_file_is_refused_and_the_file_kept(tmp_path: Path) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    os.link(precious, tmp_path / LOCK_FILE)
+    assert f"{tmp_path / LOCK_FILE} has 2 names (hard links)" in str(fit_error(tmp_path))
+    assert precious.read_text() == "keep me"
+
+
 def test_a_read_only_filesystem_is_named_with_the_remedy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     failing(monkeypatch, lock_module.os, "open", errno.EROFS)
     error = str(fit_error(tmp_path))

@@ -51,10 +51,17 @@ def not_a_lock_file(path: Path, kind: str) -> ConfigError:
 
 
 def check_regular(fd: int, path: Path) -> None:
-    """Refuse an opened lock file that is not a regular file (a FIFO opens without blocking, then fails later)."""
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        raise not_a_lock_file(path, _KINDS.get(stat.S_IFMT(mode), "not a regular file"))
+    """Refuse an opened lock file that is not a regular file (a FIFO opens without blocking, then fails later),
+    or one with other names (a hard link: the holder record would overwrite another file's contents)."""
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode):
+        raise not_a_lock_file(path, _KINDS.get(stat.S_IFMT(found.st_mode), "not a regular file"))
+    if found.st_nlink > 1:
+        raise ConfigError(
+            f"{path} has {found.st_nlink} names (hard links): it may be another file, which writing the lock's holder "
+            f"record would overwrite. Remove this name (rm {path}; the other names keep the file) and start the run "
+            "again, or give output_dir another directory"
+        )
 
 
 def unusable(path: Path, exc: OSError, *, creating: bool = False, writing: bool = False) -> ConfigError:
