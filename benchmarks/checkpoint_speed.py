@@ -5,6 +5,7 @@ Usage: python -m benchmarks.checkpoint_speed [--jobs mlp,large] [--rounds N] [--
 Jobs (a model after one AdamW step, so the optimizer holds both moments of every parameter):
   mlp    the crash-test MLP 256-1024-1024-10: 1.3M parameters, 16 MB with its AdamW state (21 rounds)
   large  MLP 256-4096-4096-4096-4096-10: 51M parameters, 617 MB with its AdamW state (9 rounds)
+  many   300 layers 64-64: many small tensors (600 weights, 1,800 AdamW state tensors), 20 MB (9 rounds)
   tiny   an 8-16-4 MLP: checks the code path in a second; its timings mean nothing
 
 Rows (wall-clock milliseconds: an fsync is time spent waiting, not computing):
@@ -29,6 +30,15 @@ Rows (wall-clock milliseconds: an fsync is time spent waiting, not computing):
                              that must not pin the file (rotation may delete it) needs; HF's torch.load copies too
   trainbus load_checkpoint   every file checked against the manifest (size, hash), then model, optimizer, state,
                              plugins and RNG states restored; the optimizer's tensors in fresh memory of their own
+  fresh: load_file + load_state_dict
+                             a hand-written, unverified resume of a fresh process (issue 29's 160 ms): an engine
+                             built (untimed) with a new model and an AdamW without state; the file loaded with
+                             safetensors, ``model.load_state_dict``, ``optimizer.load_state_dict`` (whose
+                             moments stay views of the mapped file: their bytes are read at the first step)
+  fresh: trainbus load_checkpoint
+                             trainbus's verified load into such a fresh engine
+  fresh: ... + 1 step        each of the two, then one AdamW step (gradients set untimed): the baseline's moments
+                             are read and copied out of the mapping there, page by page, as the step writes them
 
 A round runs the saves, then the loads, each group in an order that alternates from round to round.
 Before the loads every file is read once, untimed, so that loads time the work of loading from the
@@ -62,12 +72,13 @@ from benchmarks.common import print_table
 from trainbus.engine import Engine
 from trainbus.plugins.checkpoints import io as cio
 from trainbus.plugins.checkpoints.checkpoint import load_checkpoint, save_checkpoint
-from trainbus.plugins.checkpoints.codec import split_tensors
+from trainbus.plugins.checkpoints.codec import join_tensors, split_tensors
 
 #: name -> (layer widths, default rounds)
 JOBS: dict[str, tuple[tuple[int, ...], int]] = {
     "mlp": ((256, 1024, 1024, 10), 21),
     "large": ((256, 4096, 4096, 4096, 4096, 10), 9),
+    "many": ((64,) * 301, 9),
     "tiny": ((8, 16, 4), 3),
 }
 SAVE_BASE, SAVE = "save_file + fsync", "trainbus save_checkpoint"
@@ -76,6 +87,8 @@ LOAD_COPIED = "load_file + xxh3 + model + state copied"
 LOAD_IN_PLACE = "load_file + into place"
 LOAD_FRESH = "load_file + model + state copied"
 LOAD = "trainbus load_checkpoint"
+FRESH_BASE, FRESH = "fresh: load_file + load_state_dict", "fresh: trainbus load_checkpoint"
+FRESH_BASE_STEP, FRESH_STEP = f"{FRESH_BASE} + 1 step", f"{FRESH} + 1 step"
 #: row -> the baselines its ratios are taken against
 AGAINST: dict[str, tuple[str, ...]] = {
     SAVE_BASE: (),
@@ -87,6 +100,10 @@ AGAINST: dict[str, tuple[str, ...]] = {
     LOAD_RESUME: (LOAD_LAZY,),
     LOAD_COPIED: (LOAD_LAZY,),
     LOAD: (LOAD_IN_PLACE, LOAD_FRESH, LOAD_COPIED, LOAD_RESUME, LOAD_HASHED, LOAD_LAZY),
+    FRESH_BASE: (),
+    FRESH: (FRESH_BASE,),
+    FRESH_BASE_STEP: (),
+    FRESH_STEP: (FRESH_BASE_STEP,),
 }
 
 
@@ -109,6 +126,49 @@ def make_engine(widths: tuple[int, ...]) -> Engine:
     return engine
 
 
+def fresh_engine(widths: tuple[int, ...], grads: bool) -> Engine:
+    """A resumed process's engine before the load: a new model and an AdamW without state (gradients set)."""
+    layers: list[torch.nn.Module] = []
+    for fan_in, fan_out in itertools.pairwise(widths):
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    for parameter in model.parameters():
+        parameter.grad = torch.full_like(parameter, 1e-3) if grads else None
+    batch = (torch.randn(4, widths[0]), torch.randint(0, widths[-1], (4,)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return Engine(model, optimizer, train_data=[batch], max_steps=1, loss_fn=torch.nn.CrossEntropyLoss())
+
+
+def fresh_rows(
+    widths: tuple[int, ...], single: Path, checkpoint: Path, optimizer: Any, weight_names: list[str]
+) -> tuple[list[tuple[str, Callable[[], Any]]], list[Engine]]:
+    """The fresh-resume rows, each restoring into an engine of its own built here (untimed), and those engines."""
+    stepping = (FRESH_BASE_STEP, FRESH_STEP)
+    engines = {row: fresh_engine(widths, grads=row in stepping) for row in (FRESH_BASE, FRESH, *stepping)}
+
+    def hand_written(engine: Engine, step: bool) -> None:
+        assert engine.optimizer is not None
+        loaded = st.load_file(str(single))
+        engine.model.load_state_dict({name: loaded[name] for name in weight_names})
+        engine.optimizer.load_state_dict(join_tensors(optimizer, loaded, str(single)))
+        if step:
+            engine.optimizer.step()
+
+    def verified(engine: Engine, step: bool) -> None:
+        assert engine.optimizer is not None
+        load_checkpoint(engine, checkpoint)
+        if step:
+            engine.optimizer.step()
+
+    rows = [
+        (FRESH_BASE, lambda: hand_written(engines[FRESH_BASE], False)),
+        (FRESH, lambda: verified(engines[FRESH], False)),
+        (FRESH_BASE_STEP, lambda: hand_written(engines[FRESH_BASE_STEP], True)),
+        (FRESH_STEP, lambda: verified(engines[FRESH_STEP], True)),
+    ]
+    return rows, list(engines.values())
+
+
 def checkpoint_tensors(engine: Engine) -> dict[str, torch.Tensor]:
     """Every tensor a trainbus checkpoint of ``engine`` holds, in one flat dict."""
     assert engine.optimizer is not None
@@ -123,6 +183,8 @@ def run_job(widths: tuple[int, ...], rounds: int, directory: Path) -> tuple[dict
     engine = make_engine(widths)
     target = make_engine(widths)  # what the loads restore into
     tensors = checkpoint_tensors(engine)
+    assert engine.optimizer is not None
+    structure = split_tensors(engine.optimizer.state_dict(), "optimizer")[0]  # what the hand-written resume joins
     weight_names = list(target.model.state_dict())
     # where the in-place baseline copies the rest: memory allocated and touched once, untimed
     places = {name: tensor.clone() for name, tensor in tensors.items() if name not in weight_names}
@@ -168,8 +230,10 @@ def run_job(widths: tuple[int, ...], rounds: int, directory: Path) -> tuple[dict
         for path in [single, *written[0].iterdir()]:
             _xxh3_of(path)  # into the page cache
         _reset(target)
-        _timed(loads, round_, times)
+        fresh, engines = fresh_rows(widths, single, written[0], structure, weight_names)
+        _timed(loads + fresh, round_, times)
         kept.clear()  # the baseline's copies, freed untimed
+        engines.clear()  # before the files they may map are deleted
         for name, tensor in target.model.state_dict().items():  # the last loads restored what was saved
             assert torch.equal(tensor, engine.model.state_dict()[name]), name
         _reset(target)
@@ -244,6 +308,12 @@ def table(times: dict[str, list[float]]) -> list[list[str]]:
     return rows
 
 
+def _shape(widths: tuple[int, ...]) -> str:
+    if len(widths) <= 8:
+        return "-".join(map(str, widths))
+    return f"{widths[0]}-...-{widths[-1]} ({len(widths) - 1} layers)"
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", default="mlp,large", help=f"comma-separated, of {', '.join(JOBS)}")
@@ -264,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
             results[name], nbytes = run_job(widths, rounds, Path(directory))
         parameters = sum(fan_in * fan_out + fan_out for fan_in, fan_out in itertools.pairwise(widths))
         print_table(
-            f"{name}: MLP {'-'.join(map(str, widths))}, {parameters / 1e6:.2f}M parameters, "
+            f"{name}: MLP {_shape(widths)}, {parameters / 1e6:.2f}M parameters, "
             f"{nbytes / 1e6:.1f} MB of tensors with AdamW state; {rounds} rounds",
             ["row", "median ms", "median ratio over rounds"],
             table(results[name]),

@@ -16,7 +16,7 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import safetensors.torch as st
@@ -268,3 +268,41 @@ def test_bf16_weights_declared_as_float16_are_refused(tmp_path: Path) -> None:
         load_checkpoint(fresh, directory)
     load_checkpoint(fresh, save_checkpoint(engine, tmp_path / "again"))  # its own dtypes load
     assert torch.equal(fresh.model[2].bias, engine.model[2].bias)
+
+
+# -- weights copied in place without load_state_dict's per-module filtering -------------------------
+class Recording(torch.nn.Linear):
+    """A layer that loads in a way of its own (as BatchNorm does): it must still be asked."""
+
+    seen: ClassVar[list[str]] = []
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        Recording.seen.append(prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def test_plain_modules_are_loaded_without_load_state_dict_and_others_through_it(
+    checkpoint: tuple[Engine, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved, directory = checkpoint
+    calls: list[int] = []
+    real = torch.nn.Module.load_state_dict
+    counting = lambda self, *a, **k: calls.append(1) or real(self, *a, **k)  # noqa: E731
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", counting)
+    fresh = make_engine(seed=1)
+    load_checkpoint(fresh, directory)
+    assert calls == []  # each weight copied in place: no module filters the whole state by prefix
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), saved.model.state_dict().values()))
+
+    hooked = make_engine(seed=1)
+    hooked.model[2] = Recording(8, 2)
+    hooked.optimizer = torch.optim.AdamW(hooked.model.parameters(), lr=0.01)
+    Recording.seen.clear()
+    load_checkpoint(hooked, directory)
+    assert calls and Recording.seen == ["2."]  # its own loading ran
+    assert torch.equal(hooked.model[2].weight, saved.model[2].weight)
+
+    pre_hooked, hook_calls = make_engine(seed=1), []  # a hook gets (module, state, prefix, ...)
+    pre_hooked.model[0].register_load_state_dict_pre_hook(lambda *args: hook_calls.append(args[2]))
+    load_checkpoint(pre_hooked, directory)
+    assert hook_calls == ["0."]

@@ -168,7 +168,8 @@ def read_pieces(fd: int, pieces: list[memoryview], path: Path, hasher: Hasher | 
     """Fill ``pieces`` in order from ``fd``, up to ``CHUNK`` bytes per readv call, hashing each call's bytes."""
     index = 0
     while index < len(pieces):
-        group, total = [], 0
+        group: list[memoryview] = []
+        total = 0
         while index < len(pieces) and len(group) < _IOV_MAX and (not group or total + len(pieces[index]) <= CHUNK):
             group.append(pieces[index])
             total += len(pieces[index])

@@ -93,10 +93,37 @@ def load_weights(
         shapes = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in misfits[:5]]
         raise ConfigError(f"{where} does not fit the model: (name, saved shape, model shape) {shapes}")
     check_dtypes(model, state, where, own)
+    if plain_loading(model):
+        with torch.no_grad():
+            for key, tensor in state.items():
+                own[key].copy_(tensor)
+        return
     try:
         model.load_state_dict(dict(state), strict=False)
     except RuntimeError as exc:
         raise ConfigError(f"{where} does not fit the model: {exc}") from exc
+
+
+def plain_loading(model: torch.nn.Module) -> bool:
+    """Whether ``load_state_dict`` would only copy each tensor in place (what ``load_weights`` then does itself).
+
+    ``load_state_dict`` hands every module the whole state and each filters it by prefix: quadratic in
+    the number of modules (a 300-layer MLP's resume spent 0.85 of 1.3 s there, measured). A module that
+    loads in a way of its own (its ``_load_from_state_dict``, extra state or load hooks: BatchNorm,
+    lazy modules, FSDP) or torch's swap-on-load switch sends the load through ``load_state_dict``.
+    """
+    if type(model).load_state_dict is not torch.nn.Module.load_state_dict:
+        return False
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return False
+    base = torch.nn.Module
+    return not any(
+        type(module)._load_from_state_dict is not base._load_from_state_dict
+        or type(module).set_extra_state is not base.set_extra_state
+        or module._load_state_dict_pre_hooks
+        or module._load_state_dict_post_hooks
+        for module in model.modules()
+    )
 
 
 def check_dtypes(
