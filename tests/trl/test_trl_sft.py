@@ -148,7 +148,7 @@ def test_sft_scenario_matches_trl(tmp_path: Path, tokenizer_dir: str, scenario: 
     setting, extra = SCENARIOS[scenario]
     make = {"text": text_rows, "conversation": conversation_rows, "prompt_completion": prompt_completion_rows}
     rows = make[setting["rows"]](14, 5)
-    config = {"max_length": 16, "gradient_accumulation_steps": 2, **extra}
+    config = {"max_length": 16, "gradient_accumulation_steps": 2, "num_train_epochs": 1, **extra}
     runs = run_pair(tmp_path, tokenizer_dir, "llama", rows, peft_config=lora() if setting.get("peft") else None,
                     **config)  # fmt: skip
     assert_same(runs)
