@@ -66,8 +66,7 @@ def describe_bad_samples(samples: list[Any]) -> str | None:
     if not samples or not all(isinstance(s, Mapping) for s in samples):
         return None
     for key in samples[0]:
-        shapes = {_shape(s.get(key)) for s in samples}
-        shapes.discard(None)
+        shapes = {shape for shape in (_shape(s.get(key)) for s in samples) if shape is not None}
         if len(shapes) > 1:
             listed = ", ".join(str(shape) for shape in sorted(shapes))
             return (
