@@ -20,6 +20,7 @@ from .events import (
     Event,
     EventType,
     ExceptionEvent,
+    FilteredEvent,
     LogEvent,
     LossEvent,
     OptimizerStepEvent,
@@ -33,7 +34,7 @@ from .events import (
     TrainEndEvent,
     TrainStartEvent,
 )
-from .filters import EventFilter, FilteredEvent
+from .filters import EventFilter
 from .loop import Engine, data_length
 from .plugin import Composition, CompositionWarning, Plugin
 from .state import Control, State

@@ -23,8 +23,8 @@ from types import TracebackType
 from typing import Any
 
 from .errors import ConfigError, note_handler
-from .events import END_EVENTS, Event, EventType, P, event_by_name
-from .filters import EventFilter, FilteredEvent
+from .events import END_EVENTS, Event, EventType, FilteredEvent, P, event_by_name
+from .filters import EventFilter
 from .ordering import EVERY, Order, Phase, Priority, Registration, Targets, ordered, phase_name, target_names
 
 __all__ = [

@@ -43,8 +43,10 @@ against ``LossEvent``. Calling an event makes a filtered event: ``Event.STEP_END
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
+from .errors import ConfigError, suggest
+from .filters import EventFilter
 from .payloads import (
     BackwardEndEvent,
     BatchStartEvent,
@@ -68,9 +70,6 @@ from .payloads import (
     TrainEndEvent,
     TrainStartEvent,
 )
-
-if TYPE_CHECKING:
-    from .filters import EventFilter, FilteredEvent
 
 P = TypeVar("P", bound="Payload")
 
@@ -105,14 +104,33 @@ class EventType(Generic[P]):
         steps taken; for every other event its firings in this engine (``state.event_counts``). All
         live in State, so ``every=100`` on STEP_END means steps 100, 200, ... also across a resume.
         """
-        from .filters import EventFilter, FilteredEvent
-
         return FilteredEvent(self, EventFilter.make(every=every, once=once, before=before, after=after, when=when))
 
     def filtered(self, flt: EventFilter) -> FilteredEvent[P]:
-        from .filters import FilteredEvent
-
         return FilteredEvent(self, flt)
+
+
+class FilteredEvent(Generic[P]):
+    """An event plus a filter; what ``Event.X(every=...)`` returns and ``engine.on`` accepts."""
+
+    __slots__ = ("event", "filter")
+
+    def __init__(self, event: EventType[P], flt: EventFilter) -> None:
+        self.event = event
+        self.filter = flt
+
+    def __repr__(self) -> str:
+        return f"{self.event!r}({self.filter.description})"
+
+    def __or__(self, other: FilteredEvent[P]) -> FilteredEvent[P]:
+        if other.event is not self.event:
+            raise ConfigError(f"cannot combine filters of different events: {self.event.name} | {other.event.name}")
+        return FilteredEvent(self.event, self.filter | other.filter)
+
+    def __and__(self, other: FilteredEvent[P]) -> FilteredEvent[P]:
+        if other.event is not self.event:
+            raise ConfigError(f"cannot combine filters of different events: {self.event.name} & {other.event.name}")
+        return FilteredEvent(self.event, self.filter & other.filter)
 
 
 class Event:
@@ -151,8 +169,6 @@ END_EVENTS: frozenset[EventType[Any]] = frozenset({Event.EPOCH_END, Event.TRAIN_
 
 def event_by_name(name: str) -> EventType[Any]:
     """Look an event up by name (case-insensitive); unknown names list the allowed ones."""
-    from .errors import ConfigError, suggest
-
     found = Event.BY_NAME.get(name.upper())
     if found is None:
         raise ConfigError(
@@ -165,6 +181,7 @@ __all__ = [
     "END_EVENTS",
     "Event",
     "EventType",
+    "FilteredEvent",
     "P",
     "event_by_name",
     "BackwardEndEvent",

@@ -4,19 +4,16 @@ A filter sees an occurrence number ``n`` (from 1): the step number for the event
 micro-batch number for micro-batch events, the firings of the event otherwise (see
 ``EventType.__call__``); all are kept in State, so they survive a checkpoint.
 Filters combine: ``a | b`` fires when either does, ``a & b`` when both do;
-``Event.STEP_END(every=100) | Event.STEP_END(once=1)`` registers one handler for both.
+``Event.STEP_END(every=100) | Event.STEP_END(once=1)`` registers one handler for both. A filter knows
+no event: ``FilteredEvent`` (an event with its filter) lives in ``events.py``, above this module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic
+from typing import Any
 
 from .errors import ConfigError, check_positive_int
-from .events import EventType, P
-
-if TYPE_CHECKING:
-    pass
 
 
 class EventFilter:
@@ -84,26 +81,3 @@ class EventFilter:
         for part in parts[1:]:
             result = result & part
         return result
-
-
-class FilteredEvent(Generic[P]):
-    """An event plus a filter; what ``Event.X(every=...)`` returns and ``engine.on`` accepts."""
-
-    __slots__ = ("event", "filter")
-
-    def __init__(self, event: EventType[P], flt: EventFilter) -> None:
-        self.event = event
-        self.filter = flt
-
-    def __repr__(self) -> str:
-        return f"{self.event!r}({self.filter.description})"
-
-    def __or__(self, other: FilteredEvent[P]) -> FilteredEvent[P]:
-        if other.event is not self.event:
-            raise ConfigError(f"cannot combine filters of different events: {self.event.name} | {other.event.name}")
-        return FilteredEvent(self.event, self.filter | other.filter)
-
-    def __and__(self, other: FilteredEvent[P]) -> FilteredEvent[P]:
-        if other.event is not self.event:
-            raise ConfigError(f"cannot combine filters of different events: {self.event.name} & {other.event.name}")
-        return FilteredEvent(self.event, self.filter & other.filter)

@@ -29,6 +29,7 @@ from .events import (
     EpochStartEvent,
     Event,
     EventType,
+    FilteredEvent,
     LogEvent,
     LossEvent,
     OptimizerStepEvent,
@@ -39,7 +40,6 @@ from .events import (
     TrainEndEvent,
     TrainStartEvent,
 )
-from .filters import FilteredEvent
 from .lifecycle import Lifecycle, OpenEnd
 from .passes import Passes
 from .plugin import Plugin

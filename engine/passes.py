@@ -30,7 +30,7 @@ from .events import (
 from .lifecycle import Lifecycle
 
 if TYPE_CHECKING:
-    from .loop import Engine
+    from .view import EngineView
 
 
 class Passes(Lifecycle):
@@ -65,7 +65,7 @@ class Passes(Lifecycle):
         return self._evaluate_one(data, prefix)
 
     def _evaluate_one(self, data: Iterable[Any], prefix: str) -> dict[str, Any]:
-        engine = cast("Engine", self)
+        engine = cast("EngineView", self)
         hooks, model = self.hooks, self.model
         data = hooks.eval_data(data)
         was_training = model.training
@@ -92,7 +92,7 @@ class Passes(Lifecycle):
 
     def predict(self, data: Iterable[Any]) -> Any:
         """Run the prediction loop; returns what PREDICT_END handlers put in ``payload.output``."""
-        engine = cast("Engine", self)
+        engine = cast("EngineView", self)
         hooks, model = self.hooks, self.model
         data = hooks.eval_data(data)
         was_training = model.training

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .loop import Engine
+    from .view import EngineView  # the Engine as the modules below the loop see it (view.py)
 
 
 @dataclass(eq=False, slots=True)
 class Payload:
     """Base of every payload: the engine that fired the event."""
 
-    engine: Engine
+    engine: EngineView
 
 
 @dataclass(eq=False, slots=True)

@@ -15,11 +15,10 @@ import torch
 
 from .bus import Handle, Order, Priority, Targets
 from .errors import ConfigError
-from .events import EventType, P
-from .filters import FilteredEvent
+from .events import EventType, FilteredEvent, P
 
 if TYPE_CHECKING:
-    from .loop import Engine
+    from .view import EngineView
 
 
 class Plugin:
@@ -56,10 +55,12 @@ class Plugin:
     def name(self, value: str) -> None:
         self.__dict__["_plugin_name"] = value
 
-    def attach(self, engine: Engine) -> None:
-        """Register handlers and hook wrappers on ``engine``. Default: nothing."""
+    def attach(self, engine: Any) -> None:
+        """Register handlers and hook wrappers on ``engine`` (an ``Engine``). Default: nothing.
 
-    def detach(self, engine: Engine) -> None:
+        Typed ``Any`` here, below the loop, so that a subclass may annotate ``engine: Engine``."""
+
+    def detach(self, engine: Any) -> None:
         """Undo every registration made through ``on`` and ``wrap_hook``."""
         for handle in self.__dict__.pop("_plugin_handles", []):
             handle.remove()
@@ -93,7 +94,7 @@ class Plugin:
     # -- helpers for attach ------------------------------------------------------------------
     def on(
         self,
-        engine: Engine,
+        engine: EngineView,
         event: EventType[P] | FilteredEvent[P],
         handler: Callable[[P], None],
         *,
@@ -112,7 +113,7 @@ class Plugin:
         ``payload.error`` set, e.g. to put back weights an evaluation swapped in.
         """
         label = getattr(handler, "__name__", type(handler).__name__)
-        handle = engine.on(
+        handle: Handle = engine.on(
             event,
             handler,
             priority=self.priority if priority is None else priority,
@@ -125,7 +126,7 @@ class Plugin:
         return handle
 
     def wrap_hook(
-        self, engine: Engine, hook: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]
+        self, engine: EngineView, hook: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]
     ) -> object:
         """Wrap one of ``engine.hooks`` (see ``Engine.wrap_hook``); undone by ``detach``."""
         token = engine.wrap_hook(hook, wrapper)
