@@ -114,3 +114,19 @@ def test_the_run_goes_on_once_the_remedy_is_applied(tmp_path: Path) -> None:
     fit_error(tmp_path)
     (tmp_path / LOCK_FILE).rmdir()
     assert engine(tmp_path).fit().global_step == 2
+
+
+def test_naming_the_holder_reads_no_link_and_no_more_than_its_record(tmp_path: Path) -> None:
+    lock = OutputDirLock.acquire(tmp_path)
+    try:
+        assert OutputDirLock(tmp_path).holder()["pid"] == os.getpid()
+        (tmp_path / LOCK_FILE).write_bytes(b" " * 10_000_000 + b"{}")  # a record no holder writes: not read whole
+        assert OutputDirLock(tmp_path).holder() == {}
+        moved = tmp_path / "moved"
+        os.replace(tmp_path / LOCK_FILE, moved)
+        (tmp_path / LOCK_FILE).symlink_to("/dev/zero")  # swapped in after the lock was taken
+        assert OutputDirLock(tmp_path).holder() == {}
+        os.unlink(tmp_path / LOCK_FILE)
+        os.replace(moved, tmp_path / LOCK_FILE)
+    finally:
+        lock.release()

@@ -109,13 +109,18 @@ def _alive(pid: int) -> bool:
 def test_a_forked_child_does_not_hold_the_lock_its_parent_took(tmp_path: Path) -> None:
     lock = OutputDirLock.acquire(tmp_path)
     read, write = os.pipe()
+    ready_read, ready_write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: holds nothing, believes it holds nothing; waits until told to go
         os.close(write)
         held = bool(OutputDirLock._held)
+        os.write(ready_write, b"r")  # running: its fork hooks have run
         os.read(read, 1)
         os._exit(3 if held else 0)
     os.close(read)
+    os.close(ready_write)
+    assert os.read(ready_read, 1) == b"r"
+    os.close(ready_read)
     try:
         assert lock.fd is not None and not free(tmp_path)
         os.close(lock.fd)  # the parent's descriptor gone, as when it dies: the lock file stays

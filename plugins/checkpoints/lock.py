@@ -49,6 +49,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 import warnings
 from collections.abc import Iterator
@@ -159,7 +160,7 @@ class OutputDirLock:
         """What the lock file says about its holder ({} when it says nothing readable)."""
         for _ in range(20):  # the holder writes it just after taking the lock
             try:
-                data = self.path.read_bytes()[:4096]
+                data = _read_head(self.path, 4096)
                 if data:
                     value = json.loads(data)
                     return value if isinstance(value, dict) else {}
@@ -201,6 +202,15 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _read_head(path: Path, size: int) -> bytes:
+    """At most ``size`` bytes of a regular file, never through a link nor from a FIFO or device put in its place."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return os.read(fd, size) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
 
 
 def _same_file(fd: int, path: Path) -> bool:
