@@ -283,6 +283,7 @@ def _replay_through_data(engine: Engine, rng: dict[str, Any]) -> Any:
     (the batch that was in flight first, made from its own states), so batches drawn in this process (random
     masks, crops) and every draw after them are the uninterrupted run's. Returns its token, or None."""
     in_flight, epoch_start = rng.pop("in_flight", None), rng.pop("epoch_start", None)
+    engine.rng_evaluated = bool(rng.pop("evaluated", False))  # type: ignore[attr-defined]  # ResumableData
     data = find_resumable_data(engine)
     if data is None or engine.state.batches_in_epoch == 0 or getattr(data, "ignore_data_skip", False):
         return None

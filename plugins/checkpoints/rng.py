@@ -19,7 +19,9 @@ def checkpoint_rng_state(engine: Any) -> dict[str, Any]:
       (``engine.rng_in_flight``, set by a loader that fetches one ahead and draws in this process), so a
       resume makes that batch again from the same draws;
     * ``epoch_start``: the states the epoch's data order was drawn from (``engine.rng_epoch_start``, set
-      by the data plugin: ``data/replay.py``), so a resume draws the same order again.
+      by the data plugin: ``data/replay.py``), so a resume draws the same order again;
+    * ``evaluated``: an evaluation ran before (its persistent worker pool was started then, drawing a seed),
+      so a resumed run starts that pool again without drawing (``ResumableData``).
     """
     state = rng_state()
     in_flight = getattr(engine, "rng_in_flight", None)
@@ -28,4 +30,6 @@ def checkpoint_rng_state(engine: Any) -> dict[str, Any]:
     epoch_start = getattr(engine, "rng_epoch_start", None)
     if epoch_start is not None:
         state["epoch_start"] = epoch_start
+    if getattr(engine, "rng_evaluated", False):
+        state["evaluated"] = True
     return state

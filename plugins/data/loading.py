@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Sequ
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 
 if TYPE_CHECKING:
-    from trainbus.engine import Engine, TrainStartEvent
+    from trainbus.engine import Engine, EvalStartEvent, TrainStartEvent
 
 from .collators import (
     Collator,
@@ -191,6 +191,7 @@ class ResumableData(Plugin):
         if self.ignore_data_skip:
             # first: every other TRAIN_START handler sees the epoch restarted
             self.on(engine, Event.TRAIN_START, self._restart_epoch, priority=Priority.FIRST)
+        self.on(engine, Event.EVAL_START, self._eval_start, priority=Priority.FIRST)
         warn_unless_replayable(engine.train_data)
 
     def replay_rng(self, states: list[Any], epoch_start: dict[str, Any] | None = None) -> RngReplay:
@@ -210,6 +211,14 @@ class ResumableData(Plugin):
             start = epoch_start_states(data)
         engine.rng_epoch_start = start  # type: ignore[attr-defined]
         return resumable_epoch_iterator(data, epoch, skip_batches, replay)
+
+    def _eval_start(self, ev: EvalStartEvent) -> None:
+        """A resumed run's first evaluation starts a persistent eval pool without a trace in any generator
+        when the uninterrupted run had evaluated before its checkpoint (it reused the pool it started then)."""
+        engine = ev.engine
+        if getattr(engine, "rng_evaluated", False) and needs_new_pool(ev.dataloader):
+            make_pool_quietly(ev.dataloader)
+        engine.rng_evaluated = True  # type: ignore[attr-defined]  # checkpoints keep it (checkpoints/rng.py)
 
     def _restart_epoch(self, ev: TrainStartEvent) -> None:
         state = ev.engine.state
@@ -333,16 +342,21 @@ class SeededBatches(Dataset[Any]):
     ``random`` and numpy for each batch from ``(seed, epoch, the batch's indices)`` before loading
     it (and before the collator runs, in the same worker): draws differ from batch to batch and from
     epoch to epoch, and do not depend on the worker count or on where the epoch resumed. In the main
-    process (no workers) nothing is reseeded: the training RNG is left alone.
+    process (no workers) nothing is reseeded: the training RNG is left alone. The epoch lives in shared
+    memory: persistent workers, started at an earlier epoch, read the current one too.
     """
 
     def __init__(self, dataset: Any, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
-        self.epoch = 0
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch  # read by the workers started for this epoch (they copy the dataset)
+        self._epoch.fill_(epoch)  # workers read it as they load (set between epochs, when they are idle)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -360,7 +374,7 @@ class SeededBatches(Dataset[Any]):
         return list(getitems(indices)) if callable(getitems) else [self.dataset[i] for i in indices]
 
     def __getattr__(self, name: str) -> Any:  # column_names, features, ...: the wrapped dataset's
-        if name == "dataset":
+        if name in ("dataset", "_epoch"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 

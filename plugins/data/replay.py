@@ -148,13 +148,15 @@ class SkipBatches(Sampler[list[int]]):
         self.drawn = drawn
         self.restart = restart
         self._primed: tuple[list[list[int]], Iterator[list[int]]] | None = None
+        self._passes = 0  # primed passes: the resume's one pass primes once, whoever asks first
 
     def __len__(self) -> int:
         return max(self.length - self.skip, 0)
 
     def prime(self) -> None:
-        if self._primed is not None:
+        if self._primed is not None or self._passes:
             return
+        self._passes += 1
         if self.restart is not None:
             self.restart()
         iterator = iter(self.inner)
@@ -168,7 +170,9 @@ class SkipBatches(Sampler[list[int]]):
             yield from itertools.islice(iter(self.inner), self.skip, None)
             return
         self.prime()
-        assert self._primed is not None
+        if self._primed is None:  # a second pass over the resumed epoch's remainder: no replay
+            yield from itertools.islice(iter(self.inner), self.skip, None)
+            return
         first, rest = self._primed
         self._primed = None
         yield from first
