@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 
-from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority
+from trainbus.engine import Composition, ConfigError, Engine, Event, Plugin, Priority
 from trainbus.engine.events import Payload
 
 from ..distributed.processes import broadcast_from_main, rank
 from . import io as cio
+from .best_schedule import check_best_schedule
 from .frozen import check_base
 from .restored import BEST_NAME
 from .resuming import verify_best_weights
@@ -40,6 +41,11 @@ class LoadBestModelAtEnd(Plugin):
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_END, self.load)
+
+    def check_composition(self, composition: Composition) -> list[str]:
+        """When fit() starts: a ConfigError for save and evaluation schedules that can never record a best
+        (``best_schedule.py``); a warning naming what else is missing (what a handler could still supply)."""
+        return check_best_schedule(composition.plugins, composition.scheduled)
 
     def load(self, ev: Payload) -> None:
         engine = ev.engine
