@@ -50,9 +50,9 @@ def _check_resumable(directory: Path, manifest: dict[str, Any]) -> None:
     """A sound checkpoint that this run cannot resume from: a ConfigError, not damage."""
     if manifest.get("model_only"):
         raise ConfigError(
-            f"checkpoint {directory} was saved with save_only_model=True: it holds the model but no optimizer, "
-            "scheduler or RNG state, so training cannot resume from it; load its model.safetensors as weights, "
-            "or train with save_only_model=False to get resumable checkpoints"
+            f"checkpoint {directory} was saved with save_only_model=True (Checkpointing's): it holds the model but "
+            "no optimizer, scheduler or RNG state, so training cannot resume from it; load its weights "
+            "(load_model_weights), or save with save_only_model=False to get resumable checkpoints"
         )
     written_by = manifest.get("world_size", 1)
     if written_by != world_size():
