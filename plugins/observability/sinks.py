@@ -9,13 +9,17 @@ Importing this module adds ``"jsonl"``, ``"csv"`` and ``"tensorboard"`` to ``log
 ``logs.csv`` and ``runs/<time>_<host>/`` (or ``logging_dir``) under ``output_dir``.
 
 A sink whose file already exists appends to it, except at the start of a fresh run
-(``global_step == 0`` at TRAIN_START) where it starts the file anew; a resumed run appends.
+(``global_step == 0`` at TRAIN_START) where it starts the file anew. A resumed run rewinds the file
+first: a sink's state (in every checkpoint) is the number of records it had written, and the records
+after them (written between the checkpoint and a crash, which the resumed run logs again) are cut, so
+the file holds each record once, as the uninterrupted run's does.
 """
 
 from __future__ import annotations
 
 import csv
 import datetime
+import io
 import json
 import math
 import os
@@ -69,28 +73,48 @@ def _record(ev: LogEvent) -> dict[str, Any]:
 
 
 class _FileSink(Plugin):
-    """Shared behaviour: write on LOG from the main process; start a fresh run's file anew."""
+    """Shared behaviour: write on LOG from the main process; start a fresh run's file anew, rewind a resumed one's."""
 
     priority = Priority.CONSUMER
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        #: records in the file written by this run (and the runs it resumes); None: unknown (a checkpoint
+        #: from before sinks kept it, or a run that started with a file of unknown records: nothing is cut)
+        self.records: int | None = None
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_START, self.train_start)
         self.on(engine, Event.LOG, self.log)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": self.records}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        records = state.get("records")
+        self.records = records if isinstance(records, int) and not isinstance(records, bool) and records >= 0 else None
+
     def train_start(self, ev: TrainStartEvent) -> None:
         state = ev.engine.state
-        if state.is_world_process_zero and state.global_step == 0 and self.path.exists():
-            self.path.unlink()  # a fresh run: the previous run's records are not this run's history
+        if state.global_step == 0:
+            self.records = 0
+            if state.is_world_process_zero and self.path.exists():
+                self.path.unlink()  # a fresh run: the previous run's records are not this run's history
+        elif state.is_world_process_zero and self.records is not None and self.path.exists():
+            self.rewind(self.records)  # a resumed run logs again what came after its checkpoint
 
     def log(self, ev: LogEvent) -> None:
         if ev.logs and ev.engine.state.is_world_process_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.write(_record(ev))
+            if self.records is not None:
+                self.records += 1
 
     def write(self, record: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def rewind(self, records: int) -> None:
+        """Keep the file's first ``records`` records (all when it holds fewer)."""
         raise NotImplementedError
 
 
@@ -110,6 +134,12 @@ class JsonlSink(_FileSink):
         with self.path.open("a", encoding="utf-8") as f:
             f.write(line + "\n")
             f.flush()
+
+    def rewind(self, records: int) -> None:
+        with self.path.open("rb") as f:
+            lines = f.readlines()
+        if len(lines) > records:
+            _replace(self.path, b"".join(lines[:records]))
 
 
 class CsvSink(_FileSink):
@@ -145,6 +175,18 @@ class CsvSink(_FileSink):
             writer.writerows(rows)
         os.replace(tmp, self.path)
 
+    def rewind(self, records: int) -> None:
+        rows = self._rows()
+        if len(rows) <= records:
+            return
+        kept = rows[:records]
+        header = [k for k in self._header() if k == "step" or any(row.get(k) not in (None, "") for row in kept)]
+        with io.StringIO(newline="") as text:
+            writer = csv.DictWriter(text, fieldnames=header, restval="", extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(kept)
+            _replace(self.path, text.getvalue().encode("utf-8"))
+
     def _header(self) -> list[str]:
         if not self.path.exists():
             return []
@@ -156,6 +198,16 @@ class CsvSink(_FileSink):
             return []
         with self.path.open(encoding="utf-8", newline="") as f:
             return list(csv.DictReader(f))
+
+
+def _replace(path: Path, content: bytes) -> None:
+    """Write ``content`` to ``path`` through a temporary file and an atomic rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(content)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _csv_value(value: Any) -> Any:
