@@ -40,6 +40,7 @@ from .events import (
     TrainEndEvent,
     TrainStartEvent,
 )
+from .inputs import check_device, check_optimizer
 from .lifecycle import Lifecycle, OpenEnd
 from .passes import Passes
 from .plugin import Plugin
@@ -127,6 +128,7 @@ class Engine(Passes, Assembly, Lifecycle):
         check_positive_int("max_steps", max_steps, allow_none=True)
         if hooks is not None and not isinstance(hooks, Hooks):
             raise ConfigError(f"hooks must be a trainbus.hooks.Hooks, got {type(hooks).__name__}")
+        check_optimizer(optimizer)
         self.model = model
         self.optimizer = optimizer
         self.max_epochs = max_epochs
@@ -137,7 +139,7 @@ class Engine(Passes, Assembly, Lifecycle):
         if device is None:
             first = next(itertools.chain(model.parameters(), model.buffers()), None)
             device = first.device if first is not None else torch.device("cpu")
-        self._device = torch.device(device)
+        self._device = check_device(device)
         base = hooks or Hooks()
         if loss_fn is not None:
             base = replace(base, compute_loss=loss_with(loss_fn, self.label_names))
@@ -184,7 +186,7 @@ class Engine(Passes, Assembly, Lifecycle):
 
     @device.setter
     def device(self, device: torch.device | str) -> None:
-        self._device = torch.device(device)
+        self._device = check_device(device)
         self._compose_hooks()
 
     @property
@@ -286,6 +288,7 @@ class Engine(Passes, Assembly, Lifecycle):
             raise ConfigError("fit() needs train_data: pass it to the Engine")
         if self.optimizer is None:
             raise ConfigError("fit() needs an optimizer: pass it to the Engine or add an optimizer plugin")
+        check_optimizer(self.optimizer)  # it may have been set after construction
         # re-validate: plugins may have changed accumulation or limits since construction
         self.train_data = self.train_data
         self.check_composition()  # names that order nothing, plugins that would do nothing
