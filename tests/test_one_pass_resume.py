@@ -270,6 +270,14 @@ def test_bf16_weights_declared_as_float16_are_refused(tmp_path: Path) -> None:
     assert torch.equal(fresh.model[2].bias, engine.model[2].bias)
 
 
+def test_weights_of_another_floating_point_precision_are_cast_as_load_state_dict_does(tmp_path: Path) -> None:
+    engine = make_engine()
+    cio.save_weights(engine.model, tmp_path / "model.safetensors")  # float32
+    wide = make_engine(seed=1).model.to(torch.float64)
+    cio.load_model_weights(wide, tmp_path)
+    assert all(torch.equal(a, b.double()) for a, b in zip(wide.parameters(), engine.model.parameters()))
+
+
 # -- weights copied in place without load_state_dict's per-module filtering -------------------------
 class Recording(torch.nn.Linear):
     """A layer that loads in a way of its own (as BatchNorm does): it must still be asked."""

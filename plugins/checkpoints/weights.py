@@ -132,18 +132,27 @@ def check_dtypes(
     where: str,
     own: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """Refuse saved weights whose dtype is not the model's: ConfigError naming them and both dtypes.
+    """Refuse saved weights whose dtype could only be a misreading of the model's: ConfigError naming them.
 
     ``load_state_dict`` casts silently, so an ``int32`` header over ``float32`` bytes (same shapes,
     same sizes) would load the bits as integers, and ``float16`` over ``bfloat16`` as other numbers:
-    garbage that trains on. A checkpoint of the run holds its model's own dtypes.
+    garbage that trains on. Refused: another kind (floating point, integer, bool, complex), or
+    another dtype of the same size. A cast between precisions of one kind (float32 saved, a float64
+    or bfloat16 model) keeps the values and is left to ``load_state_dict``, as transformers does.
     """
     own = model.state_dict(keep_vars=True) if own is None else own
-    wrong = [(k, t.dtype, own[k].dtype) for k, t in state.items() if k in own and own[k].dtype != t.dtype]
+    wrong = [(k, t.dtype, own[k].dtype) for k, t in state.items() if k in own and _misread(t.dtype, own[k].dtype)]
     if wrong:
         listed = [(k, str(a).removeprefix("torch."), str(b).removeprefix("torch.")) for k, a, b in wrong[:5]]
         raise ConfigError(
-            f"{where} does not fit the model: {len(wrong)} weight(s) saved with another dtype than the model's "
-            f"(name, saved dtype, model dtype) {listed}; a checkpoint holds the dtypes of the model that saved it: "
-            "load it into a model of those dtypes (cast the model after loading if you need another)"
+            f"{where} does not fit the model: {len(wrong)} weight(s) saved with a dtype that is not the model's "
+            f"(name, saved dtype, model dtype) {listed}; their bytes would be read as other numbers. Load it into "
+            "a model of the dtypes that saved it (and cast the model after loading if you need others)"
         )
+
+
+def _misread(saved: torch.dtype, model: torch.dtype) -> bool:
+    if saved == model:
+        return False
+    kinds = {(d.is_floating_point, d.is_complex, d == torch.bool) for d in (saved, model)}
+    return len(kinds) > 1 or saved.itemsize == model.itemsize  # same size: the bytes of one read as the other
