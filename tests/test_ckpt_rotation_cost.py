@@ -49,8 +49,13 @@ def test_without_a_limit_a_save_reads_no_other_manifest(tmp_path: Path, monkeypa
             shutil.copytree(out / "checkpoint-2", out / f"checkpoint-{step}")
         engine.state.global_step = 2 + existing
         reads = counting_reads(monkeypatch)
+        real_listdir = os.listdir
+        monkeypatch.setattr(
+            os, "listdir", lambda path=".": reads.append(1) if Path(path) == out else None or real_listdir(path)
+        )
         counts[existing] = reads_per_save(engine, 3, reads)
         monkeypatch.undo()
+    # the run's first save (in fit()) tidied output_dir once; after it a save neither reads nor lists anything
     assert counts[3] == counts[40] == [0, 0, 0], counts
 
 

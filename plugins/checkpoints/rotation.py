@@ -7,6 +7,7 @@ be deleted is warned about and kept (rotation only saves disk space; the run goe
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,16 +46,19 @@ def rotate_checkpoints(
     any other, so checkpoints an earlier run left with higher step numbers rotate out first and
     the checkpoint just written is never the one deleted.
     Incomplete directories are not counted and not touched, except what processes that no longer run
-    left behind (``directory.tidy``: an interrupted re-save's copy is put back, the rest removed).
+    left behind (``directory.tidy``: an interrupted re-save's copy is put back, the rest removed); with
+    no limit only at a process's first rotation of ``output_dir``, so that a save lists nothing there.
     A checkpoint that cannot be deleted (permissions, a busy file system) is warned about and kept:
     rotation only saves disk space, and the run goes on.
     """
     root = Path(output_dir)
+    if limit is None and _tidied(root):
+        return []  # nothing to delete, nothing left to tidy: no listing, so a save costs the same at 10 or 10,000
     try:
-        tidy(root)  # names only: one listing, no file read
+        tidy(root)
     except OSError as exc:
         warn(f"checkpoint rotation could not tidy {root}: {exc}; the run goes on")
-    if limit is None:  # nothing to delete: no manifest read, so a save costs the same at 10 or 10,000
+    if limit is None:
         return []
     found = list_checkpoints(output_dir)
     if not found:
@@ -68,6 +72,20 @@ def rotate_checkpoints(
         if step not in keep and delete_or_warn(path):
             deleted.append(path)
     return deleted
+
+
+#: (output_dir, pid) whose leftovers this process has tidied once: while it holds the output_dir's lock no
+#: other process writes there, and its own failed saves remove what they leave (checkpoint.save_checkpoint)
+_TIDIED: set[tuple[str, int]] = set()
+
+
+def _tidied(root: Path) -> bool:
+    """Whether ``root`` was tidied by this process already (and mark it so)."""
+    key = (str(root.absolute()), os.getpid())
+    if key in _TIDIED:
+        return True
+    _TIDIED.add(key)
+    return False
 
 
 def _ours(root: Path, found: list[tuple[int, Path]], written: Sequence[str | Path]) -> list[int]:
