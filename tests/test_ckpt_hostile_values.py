@@ -130,6 +130,7 @@ BAD_RNG = {
     "python state": lambda rng: rng["data"].update(python={"__tuple__": [3, "x", None]}),
     "torch state": lambda rng: rng["data"].update(torch=[1, 2, 3]),
     "numpy state": lambda rng: rng["data"].update(numpy={"__tuple__": ["MT19937", [1, 2], 0, 0, 0.0]}),
+    "CUDA states": lambda rng: rng["data"].update(cuda=["not a tensor"]),
 }
 
 

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .rng import rng_state, set_rng_state
 from .safety import DamagedCheckpoint
 
@@ -109,13 +111,24 @@ def _check_containers(fields: Mapping[str, Any], refuse: Any) -> None:
 
 
 def check_rng_states(rng: Mapping[str, Any], path: Path) -> None:
-    """Refuse RNG states (``path``) that cannot be set: each is set once, then this process's are put back."""
+    """Refuse RNG states (``path``) that cannot be set: each is set once, then this process's are put back.
+
+    CUDA states are checked by kind only (a list of byte tensors): how many a process can set depends on
+    the devices it sees, which says nothing of the checkpoint (the resume reports a mismatch itself).
+    """
     bundles = [("", rng)]
     in_flight = rng.get("in_flight")
     if in_flight is not None:
         if not isinstance(in_flight, Mapping) or "python" not in in_flight or "torch" not in in_flight:
             raise DamagedCheckpoint(f"checkpoint file {path}: the in-flight RNG states lack the python/torch states")
         bundles.append(("in-flight ", in_flight))
+    for _, states in bundles:
+        cuda = states.get("cuda", [])
+        if not isinstance(cuda, list | tuple) or not all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda
+        ):
+            raise DamagedCheckpoint(f"checkpoint file {path} holds CUDA RNG states that are not byte tensors")
+    bundles = [(kind, {k: v for k, v in states.items() if k != "cuda"}) for kind, states in bundles]
     own = rng_state()
     try:
         for kind, states in bundles:
