@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority
+from trainbus.engine import Composition, ConfigError, Engine, Event, Plugin, Priority
 from trainbus.engine.events import (
     EpochEndEvent,
     EvalEndEvent,
@@ -49,6 +49,7 @@ from ..control.strategies import SaveStrategy
 from ..data.loading import ensure_resumable_data
 from ..distributed.processes import barrier, gather_to_main, rank
 from . import io as cio
+from .checkpoint_checks import check_checkpointing_arguments, unscheduled_saves
 from .directory import PREFIX, latest_checkpoint, list_checkpoints, publish_directory
 from .final_model import save_model
 from .frozen import BASE_MODEL_FILES, adapter_model, checkpoint_fingerprint, trainable_state_dict, write_adapter_folder
@@ -71,7 +72,6 @@ from .sharded_save import save_sharded_checkpoint
 
 logger = logging.getLogger("trainbus.checkpoint")
 
-SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 
 __all__ = [
     "PREFIX",
@@ -262,22 +262,8 @@ class Checkpointing(Plugin):
         save_only_model: bool = False,
         model_folder: Callable[[Path], None] | None = None,
     ) -> None:
-        if save_total_limit is not None and (
-            isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1
-        ):
-            raise ConfigError(f"save_total_limit must be an integer >= 1 or None, got {save_total_limit!r}")
-        if save_safetensors is not True:
-            raise ConfigError(
-                "save_safetensors must be True: trainbus checkpoints are safetensors + JSON, never pickle"
-            )
-        strategy = getattr(save_strategy, "value", save_strategy) or "no"
-        if strategy not in SAVE_STRATEGIES:
-            raise ConfigError(f"save_strategy must be one of {SAVE_STRATEGIES}, got {save_strategy!r}")
-        if strategy == "steps" and not (
-            (isinstance(save_steps, int) and not isinstance(save_steps, bool) and save_steps >= 1)
-            or (isinstance(save_steps, float) and (0 < save_steps < 1 or (save_steps.is_integer() and save_steps >= 1)))
-        ):
-            raise ConfigError(f"save_steps must be an integer >= 1 or a float in (0, 1), got {save_steps!r}")
+        strategy = check_checkpointing_arguments(output_dir, save_total_limit, save_safetensors, save_strategy,
+                                                  save_steps)
         self.output_dir = Path(output_dir)
         self.save_total_limit = save_total_limit
         self.best_metric_key = best_metric_key
@@ -294,9 +280,16 @@ class Checkpointing(Plugin):
         self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
         self.claim = RunClaim(self.output_dir)  # the output_dir lock and which checkpoints are this run's
 
+    def schedules(self) -> set[str]:
+        """Its own save_strategy schedules saves (the bare Engine's shortcut); "no" leaves them to others."""
+        return set() if self._schedule is None else {"save"}
+
+    def check_composition(self, composition: Composition) -> list[str] | None:
+        return unscheduled_saves(composition)
+
     @property
     def written(self) -> list[Path]:
-        """The checkpoints this plugin wrote, oldest first: the run's own (``lock.check_fresh_run``)."""
+        """The checkpoints this plugin wrote, oldest first: the run's own (``lineage.RunClaim``)."""
         return list(self._written)
 
     def attach(self, engine: Engine) -> None:

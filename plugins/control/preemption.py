@@ -139,6 +139,10 @@ class Preemption(Plugin):
         self._engine: Engine | None = None
         self._agreeing: Any = None  # the STEP_END handler's handle, several processes only
 
+    def schedules(self) -> set[str]:
+        """On a signal it asks for a save and a stop (so a Checkpointing with no schedule of its own is not idle)."""
+        return {"save", "stop"}
+
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_START, self.install, priority=Priority.FIRST)
         # STEP_END only under several processes, where the ranks must agree on the step (install): in
