@@ -30,6 +30,7 @@ def run_pair(
     rows: list,
     eval_rows: list | None = None,
     peft_config: object = None,
+    dropout: float = 0.0,
     **config: object,
 ) -> dict:
     """The script under trl (its causal-LM item count corrected where transformers miscounts) and trainbus."""
@@ -38,7 +39,7 @@ def run_pair(
         fix = name == "trl" and hf_release.hf_counts_unshifted(tiny_model(model_type, 64))
         with hf_release.hf_counting_shifted_labels() if fix else contextlib.nullcontext():
             trainer = sft_script(name, tokenizer_dir, model_type, rows, common_config(tmp_path / name, **config),
-                                 eval_rows=eval_rows, peft_config=peft_config)  # fmt: skip
+                                 eval_rows=eval_rows, peft_config=peft_config, dropout=dropout)  # fmt: skip
         runs[name] = (trainer, as_run(name, trainer))
     return runs
 
@@ -49,12 +50,13 @@ def assert_same(runs: dict) -> None:
     assert logged(runs["trainbus"][0], "mean_token_accuracy"), "TRL's metrics were not logged"
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_sft_plain_text_matches_trl(tmp_path: Path, tokenizer_dir: str, model_type: str) -> None:
+@pytest.mark.parametrize(("model_type", "dropout"), [("llama", 0.1), ("gpt2", 0.0)])
+def test_sft_plain_text_matches_trl(tmp_path: Path, tokenizer_dir: str, model_type: str, dropout: float) -> None:
     """Plain text, truncated to max_length, accumulation 2 over micro-batches of uneven token counts (the
-    last one a partial batch), gradient checkpointing on (TRL's default), a checkpoint every epoch."""
+    last one a partial batch), gradient checkpointing on (TRL's default), a checkpoint every epoch; Llama
+    with attention dropout (the same random draws, in the same order, recomputation included)."""
     runs = run_pair(tmp_path, tokenizer_dir, model_type, text_rows(14, 1), eval_rows=text_rows(5, 2), max_length=12,
-                    gradient_accumulation_steps=2, eval_strategy="epoch")  # fmt: skip
+                    gradient_accumulation_steps=2, eval_strategy="epoch", dropout=dropout)  # fmt: skip
     assert_same(runs)
     history = runs["trainbus"][0].state.log_history
     assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(history[0])

@@ -3,10 +3,12 @@
 The forward goes through TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, which the trainer
 adds to the model): the per-token log-probabilities of the next-token labels, their entropy and whether
 each label is the top-1 prediction, without the full logits. The loss of a micro-batch is the mean negative
-log-likelihood over its own predicted tokens (labels not -100 after the shift); trainbus's
-``GradientAccumulation`` then weighs each micro-batch by its share of the window's predicted tokens, so the
-step's loss and gradient are those of the mean over every token of the window (TRL divides the token sum by
-the ``num_items_in_batch`` transformers counted: the same where that count is right).
+log-likelihood over the predicted tokens (labels not -100 after the shift) of the whole accumulation window:
+the token loss sum divided by the window's count, which trainbus's ``GradientAccumulation`` counts on the host
+from the shifted labels and publishes as ``num_items_in_batch`` (the trainer declares the loss prescaled, so
+only the across-process factor applies). The step's loss and gradient are those of the mean over every token
+of the window, in TRL's arithmetic (its token sum over transformers' ``num_items_in_batch``), where
+transformers' count is right; outside training (evaluation) the count is the batch's own.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ class SFTLoss(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
             raise ValueError(f"SFT loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
         self.metrics = metrics
         self.loss_type = loss_type
+        self._engine: Any = None
 
     def attach(self, engine: Engine) -> None:
+        self._engine = engine
         # the forward keeps whatever wraps it (autocast, NEFTune): only the batch it passes on changes
         self.wrap_hook(engine, "forward", lambda inner: lambda model, batch: inner(model, fused_inputs(batch)))
         self.wrap_hook(engine, "compute_loss", lambda inner: self.compute_loss)
@@ -56,7 +60,9 @@ class SFTLoss(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
         if self.loss_type == "dft":  # https://huggingface.co/papers/2508.05629
             per_token = per_token * log_probs.exp().detach()
         valid = outputs.label_mask.sum()
-        loss: torch.Tensor = per_token.sum() / valid.clamp(min=1)  # a batch without predicted tokens: 0, not 0/0
+        window = self._engine.step_outputs.get("num_items_in_batch") if self._engine.model.training else None
+        count = valid if window is None else torch.as_tensor(window, device=valid.device)
+        loss: torch.Tensor = per_token.sum() / count.clamp(min=1)  # no predicted tokens: 0, not 0/0
         mode = self.metrics.mode()
         self.metrics.add(mode, "entropy", outputs.entropy.detach().sum(), valid)
         self.metrics.add(mode, "mean_token_accuracy", outputs.is_top1.sum(), valid)

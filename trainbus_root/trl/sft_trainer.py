@@ -36,8 +36,8 @@ class SFTTrainer(Trainer):  # type: ignore[misc]  # mypy reads trainbus.* as Any
     ``plugins`` are trainbus plugins attached after the trainer's own, as for ``Trainer``.
     """
 
-    #: the loss hook returns each micro-batch's own mean: trainbus's accumulation weighs it by its tokens
-    loss_is_scaled_for_ga = False
+    #: the loss hook divides by the window's predicted tokens (``num_items_in_batch``): already normalised
+    loss_is_scaled_for_ga = True
     _tag_names: ClassVar[list[str]] = ["trl", "sft"]
 
     def __init__(
