@@ -80,18 +80,20 @@ def tensor_dicts(draw: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-@given(tensors=tensor_dicts(), chunk=hs.sampled_from([1, 7, 64, 1 << 20]))
+@given(tensors=tensor_dicts(), chunk=hs.sampled_from([1, 7, 64, 1 << 20]), pooled=hs.booleans())
 def test_the_reader_reads_what_safetensors_wrote_as_safetensors_does(
-    tmp_path_factory: pytest.TempPathFactory, tensors: dict[str, torch.Tensor], chunk: int
+    tmp_path_factory: pytest.TempPathFactory, tensors: dict[str, torch.Tensor], chunk: int, pooled: bool
 ) -> None:
     path = tmp_path_factory.mktemp("st") / "t.safetensors"
     st.save_file(tensors, str(path), metadata={"format": "pt"})
     expected = st.load_file(str(path))
-    old, tensor_reader.CHUNK = tensor_reader.CHUNK, chunk  # many chunks per tensor, many tensors per chunk
+    old = tensor_reader.CHUNK, tensor_reader.PARALLEL_MIN
+    tensor_reader.CHUNK = chunk  # many chunks per tensor, many tensors per chunk
+    tensor_reader.PARALLEL_MIN = 0 if pooled else 1 << 62  # hashed on a pool thread, or between reads
     try:
         loaded, digest = read_fresh(path)
     finally:
-        tensor_reader.CHUNK = old
+        tensor_reader.CHUNK, tensor_reader.PARALLEL_MIN = old
     assert loaded.keys() == expected.keys()
     assert all(same(loaded[k], expected[k]) for k in expected)
     assert digest == xxhash.xxh3_128(path.read_bytes()).hexdigest()  # every byte hashed, in order
@@ -113,7 +115,9 @@ def test_bf16_zero_d_and_empty_tensors_are_read_exactly(tmp_path: Path) -> None:
     assert loaded["scalar"].item() == 4.0
 
 
-def test_reads_returned_short_are_continued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pooled", [False, True])
+def test_reads_returned_short_are_continued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pooled: bool) -> None:
+    monkeypatch.setattr(tensor_reader, "PARALLEL_MIN", 0 if pooled else 1 << 62)
     tensors = {f"t{i}": torch.arange(i * 10, dtype=torch.float32) for i in range(6)}
     st.save_file(tensors, str(tmp_path / "t.safetensors"))
     real = os.readv
@@ -127,7 +131,9 @@ def test_reads_returned_short_are_continued(tmp_path: Path, monkeypatch: pytest.
     assert digest == xxhash.xxh3_128((tmp_path / "t.safetensors").read_bytes()).hexdigest()
 
 
-def test_a_file_that_ends_while_read_is_damage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_file_that_ends_while_read_is_damage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pooled: bool) -> None:
+    monkeypatch.setattr(tensor_reader, "PARALLEL_MIN", 0 if pooled else 1 << 62)
     st.save_file({"a": torch.ones(100)}, str(tmp_path / "t.safetensors"))
     real = os.readv
     monkeypatch.setattr(os, "readv", lambda fd, buffers: real(fd, buffers) if len(buffers[0]) < 100 else 0)

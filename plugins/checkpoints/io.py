@@ -310,7 +310,7 @@ def _read_owned(path: Path, fd: int | None, size: int | None, hasher: Any) -> di
     if opened is None:
         raise DamagedCheckpoint(f"checkpoint file {path} is missing (or not a regular file)")
     try:
-        return tensor_reader.read_owned(*opened, path, hasher)
+        return tensor_reader.read_owned(*opened, path, hasher, io_pool())
     finally:
         if opened[0] != fd:  # opened here
             os.close(opened[0])

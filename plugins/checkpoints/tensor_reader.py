@@ -18,7 +18,9 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import queue
 import sys
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +31,8 @@ from .safety import MAX_SAFETENSORS_HEADER, DamagedCheckpoint
 #: bytes per readv(2) call and per hash update: a chunk is still in the L2/L3 cache when it is hashed
 CHUNK = 1 << 20
 _IOV_MAX = 512  # buffers per readv call (Linux allows 1024)
+#: bytes from which a file is hashed on a pool thread, not between reads (a handoff costs tens of microseconds)
+PARALLEL_MIN = 8 << 20
 
 # a writable memoryview of a tensor's bytes, without numpy (the tensor must outlive it: read_into_fresh keeps it)
 _memory = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -142,14 +146,19 @@ def _naturals(value: Any) -> bool:
     return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
 
 
-def read_owned(fd: int, size: int, path: Path, hasher: Hasher | None) -> dict[str, torch.Tensor]:
+def read_owned(
+    fd: int, size: int, path: Path, hasher: Hasher | None, pool: Executor | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file open at the start of ``fd`` (``size`` bytes), in memory of its own;
-    every byte read is fed to ``hasher``. DamagedCheckpoint when the file is not a valid safetensors file."""
+    every byte read is fed to ``hasher`` (on a thread of ``pool`` for a large file). DamagedCheckpoint when
+    the file is not a valid safetensors file."""
     entries, _ = read_header(fd, size, path, hasher)
-    return read_into_fresh(fd, entries, path, hasher)
+    return read_into_fresh(fd, entries, path, hasher, pool if size >= PARALLEL_MIN else None)
 
 
-def read_into_fresh(fd: int, entries: list[Entry], path: Path, hasher: Hasher | None) -> dict[str, torch.Tensor]:
+def read_into_fresh(
+    fd: int, entries: list[Entry], path: Path, hasher: Hasher | None, pool: Executor | None = None
+) -> dict[str, torch.Tensor]:
     """Each entry's tensor in memory of its own, read from ``fd`` (positioned at the data) and hashed."""
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[memoryview] = []
@@ -160,24 +169,52 @@ def read_into_fresh(fd: int, entries: list[Entry], path: Path, hasher: Hasher | 
         if nbytes:
             whole = _memory(tensor.data_ptr(), nbytes, _PYBUF_WRITE)
             pieces.extend(whole[at : at + CHUNK] for at in range(0, nbytes, CHUNK))
-    read_pieces(fd, pieces, path, hasher)
+    read_pieces(fd, pieces, path, hasher, pool)
     return tensors
 
 
-def read_pieces(fd: int, pieces: list[memoryview], path: Path, hasher: Hasher | None) -> None:
-    """Fill ``pieces`` in order from ``fd``, up to ``CHUNK`` bytes per readv call, hashing each call's bytes."""
+def read_pieces(
+    fd: int, pieces: list[memoryview], path: Path, hasher: Hasher | None, pool: Executor | None = None
+) -> None:
+    """Fill ``pieces`` in order from ``fd``, up to ``CHUNK`` bytes per readv call, hashing each call's bytes:
+    right after the call, or with a ``pool``, on one of its threads while the next call reads (in order)."""
+    hashing = _Hashing(hasher, pool) if hasher is not None and pool is not None else None
     index = 0
-    while index < len(pieces):
-        group: list[memoryview] = []
-        total = 0
-        while index < len(pieces) and len(group) < _IOV_MAX and (not group or total + len(pieces[index]) <= CHUNK):
-            group.append(pieces[index])
-            total += len(pieces[index])
-            index += 1
-        _readv_all(fd, group, total, path)
-        if hasher is not None:
+    try:
+        while index < len(pieces):
+            group: list[memoryview] = []
+            total = 0
+            while index < len(pieces) and len(group) < _IOV_MAX and (not group or total + len(pieces[index]) <= CHUNK):
+                group.append(pieces[index])
+                total += len(pieces[index])
+                index += 1
+            _readv_all(fd, group, total, path)
+            if hashing is not None:
+                hashing.queue.put(group)
+            elif hasher is not None:
+                for piece in group:
+                    hasher.update(piece)
+    finally:
+        if hashing is not None:
+            hashing.finish()  # no thread reads the tensors' memory after this returns
+
+
+class _Hashing:
+    """A hasher fed in order on a pool thread: the chunk just read is hashed (xxhash releases the GIL, the
+    chunk is still in the shared cache) while the kernel copies the next, where a second core is free."""
+
+    def __init__(self, hasher: Hasher, pool: Executor) -> None:
+        self.queue: queue.SimpleQueue[list[memoryview] | None] = queue.SimpleQueue()
+        self.done = pool.submit(self._run, hasher)
+
+    def _run(self, hasher: Hasher) -> None:
+        while (group := self.queue.get()) is not None:
             for piece in group:
                 hasher.update(piece)
+
+    def finish(self) -> None:
+        self.queue.put(None)
+        self.done.result()
 
 
 def _readv_all(fd: int, group: list[memoryview], total: int, path: Path) -> None:
