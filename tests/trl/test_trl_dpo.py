@@ -103,3 +103,22 @@ def pair_losses(policy: torch.nn.Module, reference: torch.nn.Module, batch: dict
     ref_chosen, ref_rejected = completion_logps(reference).chunk(2)
     delta = (chosen - ref_chosen) - (rejected - ref_rejected)
     return -torch.nn.functional.logsigmoid(beta * delta)
+
+
+def test_dpo_resume_is_the_uninterrupted_run(tmp_path: Path, tokenizer_dir: str) -> None:
+    """A resume from a checkpoint inside a logging window logs the uninterrupted run's records (rewards,
+    logps, ... included) bit for bit and ends with the same weights."""
+    config = {"max_steps": 6, "save_strategy": "steps", "save_steps": 3, "logging_steps": 2, "max_length": 24,
+              "gradient_accumulation_steps": 2}  # fmt: skip
+    rows = preference_rows(16, 1)
+    full = dpo_script("trainbus", tokenizer_dir, "llama", rows, common_config(tmp_path / "full", **config), ref_seed=1)
+    resumed = dpo_script("trainbus", tokenizer_dir, "llama", rows, common_config(tmp_path / "resumed", **config),
+                         ref_seed=1, resume=str(tmp_path / "full" / "checkpoint-3"))  # fmt: skip
+
+    def kept(history: list) -> list:
+        return [{k: v for k, v in r.items() if not k.endswith(("_runtime", "_per_second"))} for r in history]
+
+    assert kept(resumed.state.log_history) == kept(full.state.log_history)
+    assert "rewards/margins" in full.state.log_history[0]
+    for a, b in zip(full.model.state_dict().values(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

@@ -163,7 +163,7 @@ def logged(trainer: Any, key: str) -> list[float]:
 
 def dpo_script(implementation: str, tokenizer_dir: str, model_type: str, train: list[dict[str, Any]],
                config: dict[str, Any], eval_rows: list[dict[str, Any]] | None = None, peft_config: Any = None,
-               with_ref_model: bool = True, ref_seed: int = 0) -> Any:  # fmt: skip
+               with_ref_model: bool = True, ref_seed: int = 0, resume: Any = None) -> Any:  # fmt: skip
     """The DPO script; ``with_ref_model`` passes a reference model (the initial policy when ``ref_seed`` is 0)."""
     if implementation == "trl":
         from trl import DPOConfig, DPOTrainer
@@ -180,5 +180,5 @@ def dpo_script(implementation: str, tokenizer_dir: str, model_type: str, train: 
         model=model, ref_model=ref_model, args=DPOConfig(**config), train_dataset=Dataset.from_list(train),
         eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=copy.deepcopy(peft_config),
     )  # fmt: skip
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer
