@@ -154,3 +154,22 @@ def test_sft_scenario_matches_trl(tmp_path: Path, tokenizer_dir: str, scenario: 
     runs = run_pair(tmp_path, tokenizer_dir, "llama", rows, peft_config=lora() if setting.get("peft") else None,
                     **config)  # fmt: skip
     assert_same(runs)
+
+
+def next_token_accuracy(prediction: object) -> dict:
+    predicted = prediction.predictions.argmax(-1)[:, :-1]  # type: ignore[attr-defined]
+    labels = prediction.label_ids[:, 1:]  # type: ignore[attr-defined]
+    kept = labels != -100
+    return {"next_token_accuracy": float((predicted[kept] == labels[kept]).mean())}
+
+
+def test_sft_compute_metrics_matches_trl(tmp_path: Path, tokenizer_dir: str) -> None:
+    """compute_metrics gets the logits of an extra forward without the fused head (TRL's), next to TRL's metrics."""
+    config = {"max_length": 12, "eval_strategy": "epoch", "save_strategy": "no", "num_train_epochs": 1}
+    runs = {}
+    for name in IMPLEMENTATIONS:
+        trainer = sft_script(name, tokenizer_dir, "llama", text_rows(8, 1), common_config(tmp_path / name, **config),
+                             eval_rows=text_rows(6, 2), compute_metrics=next_token_accuracy)  # fmt: skip
+        runs[name] = (trainer, as_run(name, trainer))
+    assert_same(runs)
+    assert logged(runs["trainbus"][0], "eval_next_token_accuracy")

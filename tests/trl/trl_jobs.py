@@ -127,7 +127,7 @@ def common_config(output_dir: Path, **overrides: Any) -> dict[str, Any]:
 
 def sft_script(implementation: str, tokenizer_dir: str, model_type: str, train: list[dict[str, Any]],
                config: dict[str, Any], eval_rows: list[dict[str, Any]] | None = None, peft_config: Any = None,
-               resume: Any = None, dropout: float = 0.0) -> Any:  # fmt: skip
+               resume: Any = None, dropout: float = 0.0, compute_metrics: Any = None) -> Any:  # fmt: skip
     """The SFT script; returns the trainer after ``train()``."""
     if implementation == "trl":
         from trl import SFTConfig, SFTTrainer
@@ -142,7 +142,7 @@ def sft_script(implementation: str, tokenizer_dir: str, model_type: str, train: 
     eval_dataset = None if eval_rows is None else Dataset.from_list(eval_rows)
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=Dataset.from_list(train), eval_dataset=eval_dataset,
-        processing_class=tokenizer, peft_config=copy.deepcopy(peft_config),
+        processing_class=tokenizer, peft_config=copy.deepcopy(peft_config), compute_metrics=compute_metrics,
     )  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
     return trainer
