@@ -98,7 +98,7 @@ def check_composition(engine: Any) -> None:
         tuple(plugins),
         {name: tuple(handlers) for name, handlers in engine.describe().items()},
         frozenset(scheduled),
-        engine.eval_data is not None,
+        engine.has_eval_data,  # not eval_data: a facade would build its loaders before HF does
     )
     for plugin in plugins:
         for problem in plugin.check_composition(composition) or ():

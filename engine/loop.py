@@ -180,6 +180,11 @@ class Engine(Passes, Assembly, Lifecycle):
         self._train_data = data
 
     @property
+    def has_eval_data(self) -> bool:
+        """Whether evaluate() has data, asked without making it (a facade builds its eval loaders lazily)."""
+        return self.eval_data is not None
+
+    @property
     def device(self) -> torch.device:
         """Where batches go (the model's device by default)."""
         return self._device

@@ -125,6 +125,11 @@ class TrainerInternals:
     def eval_data(self, data: Any) -> None:
         self.__dict__["_eval_data"] = data
 
+    @property
+    def has_eval_data(self) -> bool:
+        """Whether there is eval data, without making the loaders (HF makes them at the first evaluation)."""
+        return self.__dict__.get("_eval_data") is not None or self.__dict__.get("eval_dataset") is not None
+
     # -- compute_metrics: HF scripts set it to None around an evaluation loop ----------------------
     @property
     def compute_metrics(self) -> Any:
