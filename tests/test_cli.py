@@ -81,8 +81,9 @@ def test_old_checkpoints_stop_the_demo_unless_overwritten(tmp_path: Path, capsys
     assert "checkpoint-7" in err and "--overwrite-output-dir" in err
     assert (tmp_path / "checkpoint-7").exists() and not (tmp_path / "logs.jsonl").exists()
 
-    _clear_old_checkpoints(str(tmp_path), overwrite=True)
+    _clear_old_checkpoints(str(tmp_path), overwrite=True)  # set aside, never deleted
     assert not (tmp_path / "checkpoint-7").exists() and (tmp_path / "notes.txt").read_text() == "kept"
+    assert [p.name for p in (tmp_path / "previous-runs").glob("*/checkpoint-7")] == ["checkpoint-7"]
 
 
 def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -24,6 +23,8 @@ from typing import Any, TextIO
 import torch
 
 from trainbus.engine import ConfigError, EvalEndEvent, Event, Plugin, Priority
+
+from ..checkpoints.directory import set_aside
 
 #: epochs of the default and of the quick demo (early stopping may end a run sooner)
 DEMO_EPOCHS = 20
@@ -218,7 +219,10 @@ def _print_summary(out: TextIO, s: dict[str, Any], epochs: int, output_dir: str)
 
 
 def _clear_old_checkpoints(output_dir: str, overwrite: bool) -> None:
-    """Old checkpoints would take part in this run's rotation and resume: remove them, or refuse."""
+    """Old checkpoints would take part in this run's rotation and resume: set them aside, or refuse.
+
+    Set aside, never deleted: they move to ``output_dir/previous-runs/<time>/`` (``directory.set_aside``).
+    """
     old = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir()]
     if not old:
         return
@@ -226,10 +230,10 @@ def _clear_old_checkpoints(output_dir: str, overwrite: bool) -> None:
         names = ", ".join(p.name for p in sorted(old, key=_step_of))
         raise ConfigError(
             f"{output_dir} holds checkpoints of a previous run ({names}); "
-            "pass --overwrite-output-dir to delete them, or choose another --output-dir"
+            "pass --overwrite-output-dir to move them into previous-runs/, or choose another --output-dir"
         )
-    for path in old:
-        shutil.rmtree(path)
+    folder = set_aside(output_dir)
+    print(f"trainbus demo: the previous run's checkpoints moved to {folder}", file=sys.stderr)
 
 
 def installed_version() -> str:
@@ -256,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--overwrite-output-dir",
         action="store_true",
-        help="delete the checkpoint-* folders a previous run left in --output-dir (else the demo refuses to start)",
+        help="move the checkpoint-* folders a previous run left in --output-dir into previous-runs/ "
+        "(else the demo refuses to start)",
     )
     demo.add_argument("--seed", type=int, default=42, help="seed of the split, the model and the data order")
     plot = commands.add_parser(
