@@ -12,7 +12,7 @@ pass over the bytes. The model's weights are copied into the parameters only whe
 been checked, so they are loaded as views of the mapped file (read once, by the copy) and hashed on
 a pool thread meanwhile (xxhash releases the GIL). Reading them straight into the parameters would
 change the model before a damaged file is known to be damaged; reading them into fresh tensors and
-swapping those in costs fresh pages, 3.5x the mapped copy on the 51M-parameter MLP (measured).
+swapping those in costs fresh pages, 2.6x the mapped, hashed copy on the 51M-parameter MLP (measured).
 ``CheckedFiles.finish`` (or ``settle``) checks every digest, in read order, before anything is applied
 (``benchmarks/checkpoint_speed.py``).
 """
