@@ -148,6 +148,46 @@ def test_a_loader_with_its_own_generator_resumes_bit_exact(tmp_path: Path) -> No
     assert same_weights(full.model, resumed.model)
 
 
+class NumpyShuffle(Sampler[int]):
+    """A user's sampler drawing its order from numpy's global generator when a pass starts."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Any:
+        import numpy as np
+
+        return iter(np.random.permutation(self.size).tolist())
+
+
+@pytest.mark.parametrize(
+    "make_sampler",
+    [
+        lambda n: torch.utils.data.WeightedRandomSampler(torch.linspace(0.5, 2.0, n), n),
+        lambda n: torch.utils.data.SubsetRandomSampler(range(1, n)),
+        lambda n: torch.utils.data.RandomSampler(range(n), replacement=True, num_samples=n + 3),
+        NumpyShuffle,
+    ],
+    ids=["weighted", "subset", "with-replacement", "numpy-shuffle"],
+)
+def test_samplers_drawing_from_the_global_generators_resume_bit_exact(tmp_path: Path, make_sampler: Any) -> None:
+    def build(out: Path) -> Engine:
+        engine = dropout_engine(out, 13, 3, 2, 1)
+        engine.train_data = DataLoader(engine.train_data.dataset, batch_size=3, sampler=make_sampler(13))
+        return engine
+
+    full = build(tmp_path / "full")
+    full.fit()
+    step = full.state.global_step // 3 + 1  # the middle epoch's first step: mid-epoch
+    resumed = build(tmp_path / "resumed")
+    resume(resumed, tmp_path / "full" / f"checkpoint-{step}")
+    resumed.fit()
+    assert same_weights(full.model, resumed.model)
+
+
 # -- samplers that cannot be replayed: said at attach time -----------------------------------------
 class DrawsAsItGoes(Sampler[int]):
     """Draws from the global generator for every index it yields: interleaved with the steps' draws."""

@@ -190,7 +190,10 @@ class ResumableData(Plugin):
             # first: every other TRAIN_START handler sees the epoch restarted
             self.on(engine, Event.TRAIN_START, self._restart_epoch, priority=Priority.FIRST)
         self.on(engine, Event.EVAL_START, self._eval_start, priority=Priority.FIRST)
-        warn_unless_replayable(engine.train_data)
+        self._checked = engine.train_data
+        warn_unless_replayable(self._checked)
+        # the Trainer makes its loader in train(): checked when training starts, if it is another
+        self.on(engine, Event.TRAIN_START, self._check_data, priority=Priority.LAST)
 
     def replay_rng(self, states: list[Any], epoch_start: dict[str, Any] | None = None) -> RngReplay:
         """Draw the next epoch's order from ``epoch_start`` (the interrupted epoch's starting states), then
@@ -209,6 +212,11 @@ class ResumableData(Plugin):
             start = epoch_start_states(data)
         engine.rng_epoch_start = start  # type: ignore[attr-defined]
         return resumable_epoch_iterator(data, epoch, skip_batches, replay)
+
+    def _check_data(self, ev: TrainStartEvent) -> None:
+        if ev.engine.train_data is not self._checked:
+            self._checked = ev.engine.train_data
+            warn_unless_replayable(self._checked)
 
     def _eval_start(self, ev: EvalStartEvent) -> None:
         """A resumed run's first evaluation starts a persistent eval pool without a trace in any generator
