@@ -69,3 +69,34 @@ def test_persistent_workers_with_a_random_collator_resume_bit_exact(tmp_path: Pa
         tmp_path, (3, 9), dataloader_num_workers=2, dataloader_persistent_workers=True,
         data_collator=random_masking_collator,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
+def test_engine_resume_with_a_shuffling_loader_with_workers_is_bit_exact(tmp_path: Path, persistent: bool) -> None:
+    """A bare Engine, a plain DataLoader(shuffle=True, num_workers=2), dropout: exact from any epoch."""
+    from torch.utils.data import DataLoader
+
+    from tests.test_resume_exact_engine import dropout_engine, same_weights
+    from trainbus.plugins.checkpoints.resuming import resume
+
+    def build(out: Path) -> Any:
+        engine = dropout_engine(out, 13, 2, 1, 1)
+        data = engine.train_data.dataset
+        engine.train_data = DataLoader(data, batch_size=2, shuffle=True, num_workers=2, persistent_workers=persistent)
+        return engine
+
+    def shut_down(engine: Any) -> None:
+        iterator = getattr(engine.train_data, "_iterator", None)
+        if iterator is not None:
+            iterator._shutdown_workers()
+            engine.train_data._iterator = None
+
+    full = build(tmp_path / "full")
+    full.fit()
+    shut_down(full)
+    for step in (3, 10, 16):  # 7 batches an epoch: mid-epoch 0, 1 and 2
+        resumed = build(tmp_path / f"from-{step}")
+        resume(resumed, tmp_path / "full" / f"checkpoint-{step}")
+        resumed.fit()
+        shut_down(resumed)
+        assert same_weights(full.model, resumed.model), f"resumed from checkpoint-{step}"
