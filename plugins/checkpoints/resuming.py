@@ -279,9 +279,11 @@ def resumed_batch_size(checkpoint: str | Path | bool, output_dir: str | None) ->
 
 
 def _replay_through_data(engine: Engine, rng: dict[str, Any]) -> Any:
-    """A mid-epoch resume: the data plugin sets the RNG states right before the resumed epoch's first fetches
-    (the batch that was in flight first, made from its own states), so batches drawn in this process (random
-    masks, crops) and every draw after them are the uninterrupted run's. Returns its token, or None."""
+    """A mid-epoch resume: the data plugin draws the resumed epoch's order again from the states of the epoch's
+    start (``epoch_start``: ``data/replay.py``), then sets the checkpoint's states right before the epoch's
+    first fetches (the batch that was in flight first, made from its own states), so the order, batches drawn
+    in this process (random masks, crops) and every draw after them (dropout) are the uninterrupted run's.
+    ``evaluated`` tells the data plugin whether a persistent eval pool existed. Returns its token, or None."""
     in_flight, epoch_start = rng.pop("in_flight", None), rng.pop("epoch_start", None)
     engine.rng_evaluated = bool(rng.pop("evaluated", False))  # type: ignore[attr-defined]  # ResumableData
     data = find_resumable_data(engine)
