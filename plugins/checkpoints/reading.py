@@ -12,6 +12,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainbus.engine import ConfigError, Engine, State
 
 from ..distributed.processes import rank, world_size
@@ -23,6 +25,7 @@ from .history import read_log_history, untag
 from .restored import check_rng_states, check_state_fields, trusted_best
 from .safety import DamagedCheckpoint, damaged
 from .sharded import SHARDED, load_shards, world_size_error
+from .weights import check_dtypes
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -64,10 +67,12 @@ def _check_resumable(directory: Path, manifest: dict[str, Any]) -> None:
         )
 
 
-def read_checkpoint(path: str | Path, *, verify: bool = True) -> Loaded:
+def read_checkpoint(path: str | Path, *, verify: bool = True, model: torch.nn.Module | None = None) -> Loaded:
     """Read and check (``verify``) every file this rank needs; DamagedCheckpoint naming what failed.
 
     Of a sharded checkpoint the shared files are read here and each rank's slices when it is applied.
+    With ``model``, weights saved with a dtype that is not the model's (int32 bytes over float32, same
+    shapes) are damage too (``weights.check_dtypes``): a resume of True falls back to the checkpoint before.
     """
     directory = Path(path)
     manifest = verified.read_manifest(directory, verify=False)  # DamagedCheckpoint whatever fails
@@ -89,6 +94,8 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Loaded:
         weights = optimizer = None
         if not sharded:
             weights = files.tensors("model.safetensors")
+            if model is not None:
+                check_dtypes(model, weights, str(directory / "model.safetensors"))
             optimizer = files.bundle("optimizer")
             if not isinstance(optimizer, dict):
                 raise DamagedCheckpoint(f"checkpoint file {directory / 'optimizer.json'} does not hold a state dict")

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainbus.engine import ConfigError, Engine, Event, Priority
 from trainbus.engine.events import EpochStartEvent, Payload
 
@@ -51,12 +53,15 @@ __all__ = [
 
 
 # -- choosing -------------------------------------------------------------------------------------
-def choose_and_read(checkpoint: str | Path | bool, output_dir: str | Path | None) -> Loaded:
+def choose_and_read(
+    checkpoint: str | Path | bool, output_dir: str | Path | None, model: torch.nn.Module | None = None
+) -> Loaded:
     """The checkpoint ``resume_from_checkpoint`` names, read and checked whole (rank 0 runs it).
 
     True: the newest that reads among the ``checkpoint-N`` directly in ``output_dir`` (the run's own:
     an earlier run's, set aside in ``previous-runs`` by a fresh run, are never taken; ``lock.py``);
-    each damaged newer one is skipped with a warning naming the file.
+    each damaged newer one is skipped with a warning naming the file (with ``model``: weights of a dtype
+    that is not the model's are damage too).
     """
     if checkpoint is True:
         if output_dir is None:
@@ -73,7 +78,7 @@ def choose_and_read(checkpoint: str | Path | bool, output_dir: str | Path | None
             )
         for _, path in reversed(found):
             try:
-                loaded = read_checkpoint(path, verify=True)
+                loaded = read_checkpoint(path, verify=True, model=model)
                 if SHARDED in loaded.manifest:  # every rank's slices, so that none fails after the choice
                     verified.read_manifest(path, verify=True)
             except DamagedCheckpoint as exc:
@@ -88,7 +93,7 @@ def choose_and_read(checkpoint: str | Path | bool, output_dir: str | Path | None
             f"resume_from_checkpoint=True: every checkpoint in {root} is damaged (see the warnings): no complete "
             f"checkpoint to resume from; found: {sorted(p.name for p in root.iterdir())}"
         )
-    return read_checkpoint(_explicit(checkpoint), verify=True)
+    return read_checkpoint(_explicit(checkpoint), verify=True, model=model)
 
 
 def _set_aside_hint(root: Path) -> str:
@@ -162,7 +167,7 @@ def resume(engine: Engine, checkpoint: str | Path | bool, output_dir: str | Path
     chosen: list[Loaded] = []
 
     def choose() -> Path:
-        chosen.append(choose_and_read(checkpoint, output_dir))
+        chosen.append(choose_and_read(checkpoint, output_dir, engine.model))
         return chosen[0].path
 
     ensure_resumable_data(engine)  # the data plugin replays the interrupted epoch's order (data/replay.py)
