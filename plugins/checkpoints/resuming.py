@@ -65,7 +65,10 @@ def choose_and_read(
     """
     if checkpoint is True:
         if output_dir is None:
-            raise ConfigError("resume_from_checkpoint=True needs an output_dir to search (or a Checkpointing plugin)")
+            raise ConfigError(
+                "resuming from True (the newest checkpoint) needs an output_dir to search: resume(engine, True, "
+                "output_dir=...) or an attached Checkpointing (the Trainer: its args.output_dir)"
+            )
         root = Path(output_dir)
         finish_set_aside(root)  # a fresh run killed while it set an earlier run aside: that run stays aside
         tidy(root)  # an interrupted re-save's copies: one is put back, not lost
@@ -73,7 +76,7 @@ def choose_and_read(
         if not found:
             seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
             raise ConfigError(
-                f"resume_from_checkpoint=True: no complete checkpoint (checkpoint-N with a valid {cio.MANIFEST}) "
+                f"resuming from True: no complete checkpoint (checkpoint-N with a valid {cio.MANIFEST}) "
                 f"in {root}; found: {seen or 'nothing'}{_set_aside_hint(root)}"
             )
         for _, path in reversed(found):
@@ -83,14 +86,14 @@ def choose_and_read(
                     verified.read_manifest(path, verify=True)
             except DamagedCheckpoint as exc:
                 warnings.warn(
-                    f"resume_from_checkpoint=True: skipping the damaged checkpoint {path} ({exc}); "
+                    f"resuming from True: skipping the damaged checkpoint {path} ({exc}); "
                     "resuming from the newest intact one before it",
                     stacklevel=3,
                 )
                 continue
             return loaded
         raise ConfigError(
-            f"resume_from_checkpoint=True: every checkpoint in {root} is damaged (see the warnings): no complete "
+            f"resuming from True: every checkpoint in {root} is damaged (see the warnings): no complete "
             f"checkpoint to resume from; found: {sorted(p.name for p in root.iterdir())}"
         )
     return read_checkpoint(_explicit(checkpoint), verify=True, model=model)
@@ -206,7 +209,7 @@ def check_best_checkpoint(engine: Engine) -> None:
     problem = broadcast_from_main(problem)
     if problem is not None:
         warnings.warn(
-            f"load_best_model_at_end: the best checkpoint {best} is damaged ({problem}); the run will keep its "
+            f"LoadBestModelAtEnd: the best checkpoint {best} is damaged ({problem}); the run will keep its "
             "own weights at the end unless it saves a new best",
             stacklevel=3,
         )
