@@ -265,13 +265,14 @@ def test_describe_lists_events_in_loop_order_and_leaves_out_the_silent_ones() ->
 TRAINER_ORDER = {
     "TRAIN_START": [
         "ScheduleFreeModes.train_start",
-        "Checkpointing._take_lock",
+        "Checkpointing._claim_run",
         "Preemption.install",
         "TrainLogger.train_start",
         "GradientAccumulation.train_start",
         "LRScheduler.build",
         "FlowControl.train_start",
         "CallbackAdapter.on_train_begin",
+        "ResumableData._check_data",
         "GradientClipping.collect",
     ],
     "EPOCH_START": ["CallbackAdapter.on_epoch_begin"],
@@ -281,7 +282,12 @@ TRAINER_ORDER = {
     "OPTIMIZER_STEP": ["LRScheduler.optimizer_step"],
     "STEP_END": ["FlowControl.step_end"],  # Preemption.step_end only under several processes
     "LOG": ["TrainLogger.fill", "TrainLogger.record", "Printer.write", "CallbackAdapter.log"],
-    "EVAL_START": ["ScheduleFreeModes.evaluation_start", "EvalCollector.eval_start", "CallbackAdapter.eval_start"],
+    "EVAL_START": [
+        "ScheduleFreeModes.evaluation_start",
+        "ResumableData._eval_start",
+        "EvalCollector.eval_start",
+        "CallbackAdapter.eval_start",
+    ],
     "EVAL_BATCH_END": ["EvalCollector.eval_batch_end", "CallbackAdapter.on_prediction_step"],
     "EVAL_END": ["EvalCollector.eval_end", "TrainLogger.eval_end", "CallbackAdapter.evaluate"],
     "SAVE": ["TrainLogger.hold_window", "Checkpointing.save", "CallbackAdapter.on_save"],

@@ -147,11 +147,12 @@ def test_a_value_of_the_wrong_type_is_a_type_error(tmp_path: Path) -> None:
 def test_trainer_argument_checks_raise_transformers_types() -> None:
     model = Regressor()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0)
     cases: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"model": None}, RuntimeError, "either a `model` or `model_init`"),
         ({"model_init": Regressor}, ValueError, "but not both"),
         ({"optimizers": (sgd, None), "optimizer_cls_and_kwargs": (torch.optim.SGD, {})}, RuntimeError, "both"),
-        ({"model": None, "model_init": Regressor, "optimizers": (None, object())}, RuntimeError, "model_init"),
+        ({"model": None, "model_init": Regressor, "optimizers": (None, schedule)}, RuntimeError, "model_init"),
         ({"data_collator": object()}, TypeError, "data_collator must be a callable"),
     ]
     for overrides, kind, match in cases:
