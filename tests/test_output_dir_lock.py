@@ -42,6 +42,7 @@ RUN = textwrap.dedent(
     torch.manual_seed(0)
     args = quiet_args(out, max_steps=12, save_strategy="steps", save_steps=4, learning_rate=0.05)
     trainer = Trainer(Regressor(), args, train_dataset=regression_data(48), callbacks=[Slow()])
+    open(report + ".ready", "w").close()  # built: waiting for the go
     while not os.path.exists(go):
         time.sleep(0.001)
     try:
@@ -87,7 +88,10 @@ def file_bytes(root: Path) -> dict[str, bytes]:
 def test_two_runs_started_together_one_trains_bit_exact_the_other_fails_naming_it(tmp_path: Path) -> None:
     out, go = tmp_path / "shared", tmp_path / "go"
     runs = [child(RUN, str(out), str(go), str(tmp_path / f"report{i}")) for i in range(2)]
-    time.sleep(0.5)
+    deadline = time.monotonic() + 240  # both built (imports are slow on a loaded machine) before the go
+    while not all((tmp_path / f"report{i}.ready").exists() for i in range(2)):
+        assert time.monotonic() < deadline and all(run.poll() is None for run in runs), "a run did not start"
+        time.sleep(0.01)
     go.touch()  # both start train() at once
     for run in runs:
         assert run.wait(timeout=300) == 0

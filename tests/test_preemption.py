@@ -144,7 +144,8 @@ def wait_for_step(out: Path, process: subprocess.Popen[str], step: int) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         progress = out / "progress"
-        if progress.exists() and progress.read_text() and int(progress.read_text()) >= step:
+        written = progress.read_text().strip() if progress.exists() else ""  # read once: it is rewritten
+        if written.isdigit() and int(written) >= step:
             return
         assert process.poll() is None, process.communicate()
         time.sleep(0.02)
