@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.engine import Composition, ConfigError, Event, Plugin, Priority
 
-from .logging import SINKS
+from .logging import SINKS, TrainLogger
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine, LogEvent, TrainEndEvent, TrainStartEvent
@@ -72,6 +72,16 @@ def _record(ev: LogEvent) -> dict[str, Any]:
     return {**ev.logs, "step": ev.engine.state.global_step}
 
 
+def _without_logger(composition: Composition, where: object) -> list[str] | None:
+    """The composition problem of a sink with no TrainLogger to fill its records (None when one is attached)."""
+    if composition.get(TrainLogger) is not None:
+        return None
+    return [
+        f"no TrainLogger is attached, so no LOG record carries the loss, learning rate or metrics: {where} gets "
+        "only what engine.log() is called with; attach TrainLogger() and FlowControl(logging_steps=...)"
+    ]
+
+
 class _FileSink(Plugin):
     """Shared behaviour: write on LOG from the main process; start a fresh run's file anew, rewind a resumed one's."""
 
@@ -86,6 +96,9 @@ class _FileSink(Plugin):
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_START, self.train_start)
         self.on(engine, Event.LOG, self.log)
+
+    def check_composition(self, composition: Composition) -> list[str] | None:
+        return _without_logger(composition, self.path)
 
     def state_dict(self) -> dict[str, Any]:
         return {"records": self.records}
@@ -259,6 +272,9 @@ class TensorBoardSink(Plugin):
         self._writer_class = SummaryWriter
         self.log_dir = os.fspath(log_dir)
         self.writer: Any = None
+
+    def check_composition(self, composition: Composition) -> list[str] | None:
+        return _without_logger(composition, "TensorBoard")
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.LOG, self.log)
