@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from trainbus.engine import Event, Plugin, Priority
-from trainbus.plugins.distributed.processes import all_reduce_sum, world_size
+from trainbus.plugins.distributed.processes import all_reduce_sum, collective_device, world_size
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
@@ -53,7 +53,8 @@ class TRLMetrics(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
     priority = Priority.PRODUCER
 
     def __init__(self) -> None:
-        self.total_train_tokens = 0
+        self.total_train_tokens = 0  # over every process (TRL gathers each batch's count)
+        self._local_tokens = 0  # this process's, since the last logging point or save
         self._values: dict[str, dict[str, list[tuple[Any, Any]]]] = {m: defaultdict(list) for m in MODES}
         self._engine: Any = None
 
@@ -61,6 +62,7 @@ class TRLMetrics(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
         self._engine = engine
         self.on(engine, Event.BATCH_START, self.count_tokens)
         self.on(engine, Event.LOG, self.add_to_log)
+        self.on(engine, Event.SAVE, self.settle_tokens, before="Checkpointing")  # a checkpoint holds the total
         self.on(engine, Event.EVAL_END, self.add_to_eval, before="TrainLogger")  # before it logs the metrics
 
     # -- collecting --------------------------------------------------------------------------------
@@ -71,7 +73,14 @@ class TRLMetrics(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
         self._values[mode][name].append((numerator, denominator))
 
     def count_tokens(self, ev: BatchStartEvent) -> None:
-        self.total_train_tokens += tokens_in(ev.batch)  # on the host, before the batch moves: no sync
+        self._local_tokens += tokens_in(ev.batch)  # on the host, before the batch moves: no sync
+
+    def settle_tokens(self, ev: Any = None) -> None:
+        """Add every process's tokens since the last settling to the total (one collective, at logs and saves)."""
+        local, self._local_tokens = self._local_tokens, 0
+        if world_size() > 1:
+            local = int(all_reduce_sum(torch.tensor([local], dtype=torch.int64, device=collective_device())).item())
+        self.total_train_tokens += local
 
     # -- reading -------------------------------------------------------------------------------------
     def means(self, mode: str) -> dict[str, float]:
@@ -102,6 +111,7 @@ class TRLMetrics(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
         if not ev.window and "train_runtime" not in ev.logs:
             return
         means = self.means("train")
+        self.settle_tokens()
         if means or ev.window:
             means["num_tokens"] = float(self.total_train_tokens)
         ev.logs.update(means)
@@ -111,12 +121,15 @@ class TRLMetrics(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
             self._values["eval"].clear()
             return
         means = self.means("eval")
+        self.settle_tokens()
         if means:
             means["num_tokens"] = float(self.total_train_tokens)
         ev.metrics.update({f"eval_{k}": v for k, v in means.items()})
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        if world_size() == 1:  # no collective: a save outside SAVE (engine.save) holds the count too
+            self.settle_tokens()
         pending = {name: [[float(n), float(d)] for n, d in pairs] for name, pairs in self._values["train"].items()}
         return {"total_train_tokens": self.total_train_tokens, "pending": pending}
 
