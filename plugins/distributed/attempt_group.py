@@ -27,10 +27,16 @@ ATTEMPT_PREFIX = "trainbus/attempt-"
 
 
 def attempt_store_prefix() -> str | None:
-    """The store prefix of this torchrun attempt, or None outside a torchrun agent that shares its store."""
+    """The store prefix of a restarted torchrun attempt; None for the first attempt, or outside a torchrun agent
+    that shares its store.
+
+    The first attempt keeps torch's own group (accelerate's ``env://``, unprefixed keys): a run that is never
+    restarted is made exactly as without trainbus. Each restart's keys are apart from it and from each other.
+    """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    return f"{ATTEMPT_PREFIX}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return None if restarts in ("", "0") else f"{ATTEMPT_PREFIX}{restarts}"
 
 
 def _backend(backend: str | None, cpu: bool) -> str | None:
