@@ -29,6 +29,7 @@ class TrainerOptimizers:
     add_plugin: Any
     overrides: Any
     get_optimizer_cls_and_kwargs: Any
+    get_decay_parameter_names: Any
     _plan: Any
 
     @property
@@ -58,7 +59,9 @@ class TrainerOptimizers:
         """
         opt_model = self.model if model is None else model
         if self.optimizer is None and (
-            self.optimizer_cls_and_kwargs is not None or self.overrides("get_optimizer_cls_and_kwargs")
+            self.optimizer_cls_and_kwargs is not None
+            or self.overrides("get_optimizer_cls_and_kwargs")
+            or self.overrides("get_decay_parameter_names")  # HF's groups from the override's names
         ):
             self.optimizer = self._optimizer_from_cls_and_kwargs(opt_model)
         if self.optimizer is None:
@@ -83,7 +86,7 @@ class TrainerOptimizers:
         else:
             optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
         kwargs = dict(kwargs)
-        params: Any = parameter_groups(model, self.args.weight_decay)
+        params: Any = parameter_groups(model, self.args.weight_decay, self.get_decay_parameter_names(model))
         for key in ("params", "model"):
             if key in kwargs:
                 params = kwargs.pop(key)

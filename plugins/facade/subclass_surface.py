@@ -74,6 +74,36 @@ class MemoryTracker:
             self.memory_metrics.stop(self._stage(), metrics)
 
 
+def _can_return_loss(model: Any) -> bool:
+    """transformers' rule (``can_return_loss``): the forward has a ``return_loss`` parameter defaulting to True."""
+    try:
+        from transformers.utils import can_return_loss
+    except ImportError:  # pragma: no cover - the facade needs transformers
+        return False
+    return bool(can_return_loss(type(model)))
+
+
+class LabelSmoother:
+    """transformers' ``LabelSmoother`` call (``self.label_smoother(outputs, labels, shift_labels, num_items_in_batch)``)
+    for a ``compute_loss`` copied from transformers' body; the loss is trainbus's ``label_smoothed_loss``."""
+
+    def __init__(self, epsilon: float = 0.1, ignore_index: int = -100) -> None:
+        self.epsilon, self.ignore_index = epsilon, ignore_index
+
+    def __call__(
+        self, model_output: Any, labels: torch.Tensor, shift_labels: bool = False, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        from ..optimization.regularization import label_smoothed_loss
+
+        logits = model_output["logits"] if isinstance(model_output, Mapping) else model_output[0]
+        loss = label_smoothed_loss(logits, labels, self.epsilon, self.ignore_index, shift_labels)
+        if num_items_in_batch is None:
+            return loss
+        # transformers divides by the window's items instead of this batch's active labels
+        active = labels[..., 1:] if shift_labels else labels
+        return loss * active.ne(self.ignore_index).sum() / num_items_in_batch
+
+
 class TrainerInternals:
     """HF's internal attributes that subclasses use (a mixin of ``Trainer``)."""
 
@@ -109,6 +139,35 @@ class TrainerInternals:
     #: the RNG states from before the batch fetched ahead was made (checkpoints keep them: a resume makes it again)
     rng_in_flight: Any = None
 
+    def _set_hf_attributes(self, preprocess_logits_for_metrics: Any) -> None:
+        """The attributes a constructed transformers Trainer has, with transformers' values (a copied body reads
+        them); where trainbus has no such feature (XLA FSDP, tensor parallel meshes, the Hub) the value is
+        transformers' value for "off"."""
+        from .loss_protocol import loss_shifts_labels, unwrap_model
+
+        args, model = self.args, unwrap_model(self.model)
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.neftune_noise_alpha = args.neftune_noise_alpha
+        smoothing = args.label_smoothing_factor != 0 and (
+            getattr(getattr(model, "config", None), "problem_type", None) != "multi_label_classification"
+        )
+        self.label_smoother = LabelSmoother(args.label_smoothing_factor) if smoothing else None
+        self.can_return_loss = _can_return_loss(model)
+        self._loss_shifts_labels = loss_shifts_labels(model)  # trainbus's count (GPT-2 included: see loss_protocol)
+        self.deepspeed = None  # transformers: the DeepSpeed engine after train() prepared it
+        self.hp_name = None
+        self.hub_model_id = None
+        self._created_lr_scheduler = False
+        self._loggers_initialized = False
+        self._mixed_mesh_grads = None  # transformers' "not looked at yet"
+        self.is_distributed_loading_by_transformers = False
+        self.is_fsdp_xla_enabled = self.is_fsdp_xla_v1_enabled = self.is_fsdp_xla_v2_enabled = None
+
+    @property
+    def gather_function(self) -> Any:
+        """accelerate's ``gather_for_metrics`` (transformers' evaluation loop gathers through it)."""
+        return self.accelerator.gather_for_metrics  # type: ignore[attr-defined]
+
     def _note_in_flight(self, states: Any) -> None:
         self.rng_in_flight = states
 
@@ -142,6 +201,20 @@ class TrainerInternals:
         collector = self.get_plugin(EvalCollector) if "plugins" in self.__dict__ else None
         if collector is not None:
             collector.compute_metrics = fn
+
+    @property
+    def preprocess_logits_for_metrics(self) -> Any:
+        return self.__dict__.get("_preprocess_logits_for_metrics")
+
+    @preprocess_logits_for_metrics.setter
+    def preprocess_logits_for_metrics(self, fn: Any) -> None:
+        """Set after construction, it applies to the evaluations that follow, as in transformers."""
+        self.__dict__["_preprocess_logits_for_metrics"] = fn
+        if "_given" in self.__dict__:  # the plugins built again after args change take it too
+            self.__dict__["_given"] = (self.__dict__["_given"][0], fn)
+        collector = self.get_plugin(EvalCollector) if "plugins" in self.__dict__ else None
+        if collector is not None:
+            collector.preprocess_logits_for_metrics = fn
 
     # -- inputs and devices ------------------------------------------------------------------------
     def _prepare_input(self, data: Any) -> Any:
@@ -209,7 +282,10 @@ class TrainerInternals:
     # -- an overridden evaluate() is one evaluation of the engine -------------------------------------
     def _install_evaluate_override(self) -> None:
         owner = next(k for k in type(self).__mro__ if "evaluate" in vars(k))
-        if owner.__module__.startswith("trainbus.plugins.facade."):  # Trainer's or Seq2SeqTrainer's own
+        loop_owner = next(k for k in type(self).__mro__ if "evaluation_loop" in vars(k))
+        # Trainer's or Seq2SeqTrainer's own evaluate and loop: the engine's evaluation as it is. A subclass's
+        # evaluation_loop alone: trainbus's evaluate runs transformers' body, which calls the loop
+        if all(k.__module__.startswith("trainbus.plugins.facade.") for k in (owner, loop_owner)):
             return
         override = type(self).evaluate.__get__(self)  # type: ignore[attr-defined]
 
@@ -295,6 +371,26 @@ class TrainerInternals:
             ignore_keys=ignore_keys,
             metric_key_prefix=metric_key_prefix,
         )
+        self._add_speed_metrics(output, metric_key_prefix, start)
+        trainer.log(output.metrics)
+        trainer.control = self.callback_handler.on_evaluate(self.args, trainer.state, trainer.control, output.metrics)
+        return dict(output.metrics)
+
+    def _predict_as_hf(self, loader: Any, ignore_keys: list[str] | None, metric_key_prefix: str) -> Any:
+        """HF's predict() body, for a subclass's ``evaluation_loop``: the loop, the speed metrics, on_predict."""
+        from ..evaluation.collector import PredictionOutput
+
+        trainer: Any = self
+        start = time.time()
+        output = trainer.evaluation_loop(
+            loader, description="Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
+        )
+        self._add_speed_metrics(output, metric_key_prefix, start)
+        trainer.control = self.callback_handler.on_predict(self.args, trainer.state, trainer.control, output.metrics)
+        return PredictionOutput(output.predictions, output.label_ids, output.metrics)
+
+    def _add_speed_metrics(self, output: EvalLoopOutput, metric_key_prefix: str, start: float) -> None:
+        """HF's ``{prefix}_runtime`` / ``_samples_per_second`` / ``_steps_per_second`` for one loop."""
         runtime = time.time() - start
         steps = math.ceil(output.num_samples / max(self.args.eval_batch_size * self.args.world_size, 1))
         output.metrics.update(
@@ -304,6 +400,3 @@ class TrainerInternals:
                 f"{metric_key_prefix}_steps_per_second": round(steps / runtime, 3) if runtime else 0.0,
             }
         )
-        trainer.log(output.metrics)
-        trainer.control = self.callback_handler.on_evaluate(self.args, trainer.state, trainer.control, output.metrics)
-        return dict(output.metrics)

@@ -33,6 +33,7 @@ from ..distributed.batch_size import train_with_executable_batch_size
 from ..evaluation.collector import PredictionOutput
 from ..observability.flos import FloCounter
 from ..observability.memory import MemoryMetrics
+from ..observability.tracker_base import TrackerSink
 from ..optimization.schedulers import LRScheduler
 from .arguments import TrainingArguments
 from .callbacks import CallbackAdapter
@@ -47,6 +48,7 @@ from .composition import (
     set_seed,
 )
 from .dataloaders import TrainerData, pads_batches
+from .hf_names import REFUSED, check_overrides, refusing_method
 from .loss_protocol import accepts_loss_kwargs, item_counter
 from .model_card import write_model_card
 from .model_folder import align_special_tokens, applies_use_cache
@@ -101,6 +103,7 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
         plugins: list[Plugin] | None = None,
     ) -> None:
+        check_overrides(type(self))  # an override trainbus would never call is an error now, not silence
         self.args = args if args is not None else TrainingArguments()
         if not isinstance(self.args, TrainingArguments):
             raise ConfigError(f"args must be trainbus TrainingArguments, got {type(self.args).__name__}")
@@ -141,6 +144,7 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         self._install_step_hooks()
         self._install_evaluate_override()  # a subclass's evaluate() is what the schedule runs (HF)
         self._given = (optimizers[1], preprocess_logits_for_metrics)  # what composing again reuses
+        self._set_hf_attributes(preprocess_logits_for_metrics)
         self._compose(callbacks or [], plugins or [])
         self._memory_tracker.stop_and_update_metrics()
         self.callback_handler.init_end(self)
@@ -310,6 +314,8 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
     ) -> PredictionOutput:
         """Predictions, label_ids and ``{metric_key_prefix}_*`` metrics for ``test_dataset``."""
         loader = self.get_test_dataloader(test_dataset)
+        if self.overrides("evaluation_loop"):  # HF's predict calls the loop: a subclass's runs
+            return self._predict_as_hf(loader, ignore_keys, metric_key_prefix)  # type: ignore[no-any-return]
         out = self._with(self.args.prediction_loss_only, ignore_keys, lambda: Engine.predict(self, loader))
         if metric_key_prefix != "test":
             renamed = {
@@ -383,6 +389,23 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
 
     def remove_callback(self, callback: Any) -> None:
         self.pop_callback(callback)
+
+    def end(self) -> None:
+        """The end of a script (transformers 5.18): the trackers finished, the process group destroyed.
+
+        Call it once, after everything that needs the other processes (train, evaluate, predict, save_model).
+        """
+        for plugin in self.plugins:
+            if isinstance(plugin, TrackerSink):
+                plugin._finish()  # runs finish at train end already; one an evaluate() reopened finishes here
+        if self.distributed is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            self.accelerator.end_training()
+
+
+# transformers' methods trainbus does not have: calling one says what to use (an override is refused earlier)
+for _name in REFUSED:
+    if not hasattr(Trainer, _name):
+        setattr(Trainer, _name, refusing_method(_name))
 
 
 def _is_plugin(obj: Any) -> bool:

@@ -17,7 +17,7 @@ optimizer and the state a checkpoint can hold are in ``optimizer_state``.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -92,14 +92,16 @@ def count_trainable_parameters(model: torch.nn.Module) -> int:
     return count_parameters(model, trainable_only=True)
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def parameter_groups(
+    model: torch.nn.Module, weight_decay: float, decay_names: Iterable[str] | None = None
+) -> list[dict[str, Any]]:
     """Two groups of the trainable parameters: decayed ones with ``weight_decay`` first, the rest with 0.
 
     Both groups are there even when one is empty (a model without biases), as in HF's ``create_optimizer``:
     ``get_optimizer_group()``, ``get_learning_rates()`` and the optimizer's state dict list two groups
     under either. With no trainable parameter at all there are no groups (the optimizer's own error).
     """
-    decay = set(get_decay_parameter_names(model))
+    decay = set(get_decay_parameter_names(model) if decay_names is None else decay_names)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         return []

@@ -1,0 +1,223 @@
+"""Every method of transformers' ``Trainer`` / ``Seq2SeqTrainer``, classified: what trainbus does with it.
+
+transformers' Trainer is a class that subclasses override, public methods and private ones alike. A port
+that knows only the names it listed ignores the rest without a word: a subclass's ``_save`` or
+``_maybe_log_save_evaluate`` would simply never run. So every name of the supported releases (4.57 to
+the newest; ``tests/test_hf_total_surface.py`` enumerates the installed release and fails on a name
+missing here) is in exactly one of three tables:
+
+- ``HONOURED``: trainbus has the method with transformers' signature and meaning, and calls a subclass's
+  override where transformers calls it (the test records the calls under both and compares).
+- ``OFFERED``: trainbus has it with transformers' meaning for a script to call; transformers itself
+  never calls it inside train / evaluate / predict / save / load, so an override is the script's own.
+- ``REFUSED``: trainbus does not call it (the engine does that work in a plugin). A subclass that
+  overrides it is refused when the Trainer is built, with the message naming the plugin to use; calling
+  it (where trainbus has no method of the name) raises the same message.
+
+The value of each entry says where (honoured), what (offered) or what to use instead (refused).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainbus.engine import ConfigError
+
+HONOURED: dict[str, str] = {
+    "__init__": "the constructor: HF's arguments",
+    "train": "the script's call",
+    "evaluate": "every scheduled evaluation and the script's call; its metrics drive best model and early stopping",
+    "predict": "the script's call",
+    "training_step": "every micro-batch",
+    "compute_loss": "every micro-batch and evaluation batch, with num_items_in_batch",
+    "prediction_step": "every evaluation and prediction batch",
+    "evaluation_loop": "evaluate() and predict()",
+    "get_train_dataloader": "train()",
+    "get_eval_dataloader": "every evaluate()",
+    "get_test_dataloader": "predict()",
+    "_get_train_sampler": "the train loader",
+    "create_optimizer": "train()",
+    "create_scheduler": "train()",
+    "create_optimizer_and_scheduler": "train(), when create_scheduler or it is overridden",
+    "get_optimizer_cls_and_kwargs": "create_optimizer()",
+    "get_decay_parameter_names": "create_optimizer(): the weight-decay group",
+    "log": "every log record (steps, evaluations, the train summary)",
+    "floating_point_ops": "every micro-batch (total_flos)",
+    "load_generation_config": "Seq2SeqTrainer's constructor, for a generation_config argument",
+    "_pad_tensors_to_max_len": "Seq2SeqTrainer.prediction_step, generated tokens padded to the max length",
+}
+
+OFFERED: dict[str, str] = {
+    "get_learning_rates": "each parameter group's learning rate",
+    "get_num_trainable_parameters": "the count of parameters with requires_grad",
+    "get_optimizer_group": "a parameter's group, or every group's parameters",
+    "log_metrics": "HF's formatted print, main process only",
+    "metrics_format": "metrics formatted for printing",
+    "save_metrics": "{split}_results.json and all_results.json",
+    "save_state": "trainer_state.json in output_dir",
+    "hyperparameter_search": "optuna",
+    "pop_callback": "a callback or plugin removed and returned",
+    "remove_callback": "a callback or plugin removed",
+    "create_model_card": "README.md next to the saved model (no Hub)",
+    "end": "the end of a script: trackers finished, the process group destroyed",
+    "num_tokens": "the tokens of a loader's batches",
+    "tokenizer": "the processing class (transformers 4.x's deprecated alias)",
+    "prediction_loop": "transformers 4.x's legacy name of evaluation_loop",
+}
+
+_CHECKPOINTING = "the Checkpointing plugin (trainbus.plugins.Checkpointing) or a callback's on_save"
+_LOOP = "the engine's loop: add a plugin on its events (trainbus.engine.Event) or an HF callback"
+_DATA = "get_train_dataloader / get_eval_dataloader / get_test_dataloader, or the data collator"
+_NO_HUB = "trainbus never talks to the Hub: upload the saved folder with huggingface_hub yourself"
+_ACCELERATE = "the Distributed plugin, which sets up accelerate from TrainingArguments and `accelerate config`"
+
+REFUSED: dict[str, str] = {
+    # the loop itself: trainbus's engine runs it, with events for every point transformers' loop has
+    "_inner_training_loop": _LOOP,
+    "_run_epoch": _LOOP,
+    "_init_training_state": _LOOP,
+    "_prepare_for_training": _LOOP,
+    "_finalize_training": _LOOP + " (Event.TRAIN_END)",
+    "_maybe_log_save_evaluate": "HF callbacks' on_log / on_evaluate / on_save, or a plugin on Event.LOG, "
+    "EVAL_END and CHECKPOINT_SAVED; an evaluate() override is called by every scheduled evaluation",
+    "_evaluate": "an evaluate() override (every scheduled evaluation calls it)",
+    "_determine_best_metric": "metric_for_best_model / greater_is_better, or an evaluate() override returning "
+    "the metric",
+    "_get_learning_rate": "the LRScheduler plugin (learning_rate is logged from the optimizer's first group)",
+    "_clip_grad_norm": "the GradientClipping plugin (max_grad_norm)",
+    "_get_grad_norm": "the GradientClipping plugin (max_grad_norm)",
+    "_track_num_input_tokens": "include_num_input_tokens_seen (the TokenCounter plugin)",
+    "set_initial_training_values": "max_steps / num_train_epochs (the engine plans the run)",
+    "get_total_train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps (the engine plans "
+    "the run)",
+    "num_examples": _DATA,
+    "get_batch_samples": "a compute_loss or training_step override (num_items_in_batch is given to both)",
+    "_get_num_items_in_batch": "a compute_loss or training_step override (num_items_in_batch is given to both)",
+    "store_flos": "floating_point_ops (total_flos is summed by the FloCounter plugin)",
+    "_update_auto_batch_size": "auto_find_batch_size",
+    # data loading internals
+    "_get_dataloader": _DATA,
+    "_get_eval_sampler": _DATA,
+    "_set_signature_columns_if_needed": "remove_unused_columns / label_names, or the data collator",
+    "_remove_unused_columns": "remove_unused_columns / label_names, or the data collator",
+    "_get_collator_with_removed_columns": "the data_collator argument",
+    "_prepare_input": "a training_step / prediction_step override, or the data collator",
+    "_prepare_inputs": "a training_step / prediction_step override, or the data collator",
+    "_prepare_context_parallel_inputs": "trainbus has no context parallelism",
+    "compute_loss_context_manager": "the MixedPrecision plugin (bf16 / fp16), or a compute_loss override",
+    "autocast_smart_context_manager": "the MixedPrecision plugin (bf16 / fp16), or a compute_loss override",
+    # checkpoints: the Checkpointing plugin writes and reads them (safetensors and JSON, verified)
+    "save_model": _CHECKPOINTING,
+    "_save": _CHECKPOINTING,
+    "_save_checkpoint": _CHECKPOINTING,
+    "_get_output_dir": "output_dir",
+    "_save_rng_state": _CHECKPOINTING,
+    "_save_optimizer_and_scheduler": _CHECKPOINTING,
+    "_save_scaler": _CHECKPOINTING,
+    "_load_from_checkpoint": "resume_from_checkpoint (trainbus.plugins.checkpoints.resuming)",
+    "_load_rng_state": "resume_from_checkpoint (trainbus.plugins.checkpoints.resuming)",
+    "_load_optimizer_and_scheduler": "resume_from_checkpoint (trainbus.plugins.checkpoints.resuming)",
+    "_load_scaler": "resume_from_checkpoint (trainbus.plugins.checkpoints.resuming)",
+    "_load_callback_state": "restore_callback_states_from_checkpoint",
+    "_load_best_model": "the LoadBestModelAtEnd plugin (load_best_model_at_end)",
+    "_issue_warnings_after_load": "resume_from_checkpoint (trainbus.plugins.checkpoints.resuming)",
+    "_rotate_checkpoints": "save_total_limit (the Checkpointing plugin rotates)",
+    "_sorted_checkpoints": "save_total_limit (the Checkpointing plugin rotates)",
+    "compare_trainer_and_checkpoint_args": "resume_from_checkpoint (a resumed checkpoint's arguments are checked)",
+    "_save_tpu": "trainbus does not run on TPUs",
+    "_tune_save_checkpoint": "hyperparameter_search with optuna (Ray Tune is not a backend)",
+    # set-up: accelerate, devices, wrappers
+    "_validate_args": "TrainingArguments, which checks its fields when it is built",
+    "_build_accelerator_args": _ACCELERATE,
+    "create_accelerator_and_postprocess": _ACCELERATE,
+    "_wrap_model": _ACCELERATE,
+    "_move_model_to_device": "the device argument of TrainingArguments (use_cpu) or `accelerate config`",
+    "propagate_args_to_deepspeed": _ACCELERATE,
+    "_fsdp_qlora_plugin_updates": _ACCELERATE,
+    "_defer_fsdp_gradient_reduction": _ACCELERATE,
+    "_sync_replicated_trainable_parameters": "trainbus has no tensor parallelism",
+    "_has_mixed_mesh_grads": "trainbus has no tensor parallelism",
+    "_mixed_mesh_grad_norm": "trainbus has no tensor parallelism",
+    "get_tp_size": "trainbus has no tensor parallelism (1)",
+    "get_sp_size": "trainbus has no sequence parallelism (1)",
+    "get_cp_size": "trainbus has no context parallelism (1)",
+    "_deepspeed_sp_compute_loss": "trainbus has no DeepSpeed sequence parallelism",
+    "_gather_and_numpify": "the EvalCollector plugin gathers across processes",
+    "_nested_gather": "the EvalCollector plugin gathers across processes",
+    "_is_attention_mask_causal": "the model's own attention mask handling",
+    "_activate_neftune": "neftune_noise_alpha (the NEFTune plugin)",
+    "_deactivate_neftune": "neftune_noise_alpha (the NEFTune plugin)",
+    "_align_special_tokens": "the processing_class (its special tokens are copied to the model's config)",
+    "is_world_process_zero": _ACCELERATE,
+    "is_local_process_zero": _ACCELERATE,
+    "add_callback": "the callbacks argument (add_callback itself is not called by the constructor)",
+    "call_model_init": "the model_init argument",
+    "_hp_search_setup": "hyperparameter_search (plugins/facade/search.py)",
+    "_report_to_hp_search": "hyperparameter_search (plugins/facade/search.py)",
+    # the Hub
+    "push_to_hub": _NO_HUB,
+    "init_hf_repo": _NO_HUB,
+    "_push_from_checkpoint": _NO_HUB,
+    "_finish_current_push": _NO_HUB,
+    "_add_sm_patterns_to_gitignore": _NO_HUB,
+    "torch_jit_model_eval": "removed from transformers 5 (jit_mode_eval)",
+}
+
+
+def classification(name: str) -> str | None:
+    """``"honoured"``, ``"offered"``, ``"refused"``, or None for a name transformers' Trainer does not have."""
+    for label, table in (("honoured", HONOURED), ("offered", OFFERED), ("refused", REFUSED)):
+        if name in table:
+            return label
+    return None
+
+
+def _is_trainbus_class(cls: type) -> bool:
+    return cls.__module__.split(".")[0] in {"trainbus", "builtins"}
+
+
+def refused_overrides(cls: type) -> list[tuple[str, str]]:
+    """``(class.method, what to use)`` for each method a class outside trainbus defines that trainbus refuses."""
+    found = []
+    for klass in cls.__mro__:
+        if _is_trainbus_class(klass) or klass.__module__.startswith("transformers"):
+            continue
+        for name in vars(klass):
+            if name in REFUSED and f"{klass.__name__}.{name}" not in {f for f, _ in found}:
+                found.append((f"{klass.__qualname__}.{name}", REFUSED[name]))
+    return found
+
+
+def check_overrides(cls: type) -> None:
+    """A ConfigError naming every refused method the subclass overrides (see the module docstring)."""
+    found = refused_overrides(cls)
+    if found:
+        lines = "\n".join(f"  - {method}: use {instead}" for method, instead in found)
+        raise ConfigError(
+            f"{cls.__name__} overrides methods of transformers' Trainer that trainbus's Trainer never calls, so "
+            f"the override would be ignored:\n{lines}\n(docs/hf_surface.md lists what each transformers method "
+            "is in trainbus)"
+        )
+
+
+def refusing_method(name: str) -> Any:
+    """A method that raises the refusal, for a transformers name trainbus's Trainer has no method of."""
+
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError(f"Trainer.{name} is not part of trainbus's Trainer: use {REFUSED[name]}")
+
+    refused.__name__ = refused.__qualname__ = name
+    refused.__doc__ = f"transformers' Trainer.{name}: refused in trainbus (use {REFUSED[name]})."
+    return refused
+
+
+def markdown_table() -> str:
+    """The classification as docs/hf_surface.md shows it (``python -m trainbus.plugins.facade.hf_names``)."""
+    rows = ["| method | in trainbus | where it runs / what it is / what to use instead |", "|---|---|---|"]
+    for label, table in (("honoured", HONOURED), ("offered", OFFERED), ("refused", REFUSED)):
+        rows += [f"| `{name}` | {label} | {table[name]} |" for name in sorted(table)]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
