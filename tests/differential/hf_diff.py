@@ -28,6 +28,12 @@ import hf_release  # tests/hf_release.py: what the installed transformers releas
 import numpy as np
 import torch
 from torch import nn
+from transformers import PreTrainedModel
+
+try:
+    from transformers import PreTrainedConfig
+except ImportError:  # transformers 4.x spells it PretrainedConfig
+    from transformers import PretrainedConfig as PreTrainedConfig  # type: ignore[no-redef]
 
 IMPLEMENTATIONS = ("transformers", "trainbus")
 TIMING_SUFFIXES = ("_runtime", "_per_second")
@@ -165,6 +171,36 @@ class RegressionDictModel(nn.Module):
         return out
 
 
+class RegressionConfig(PreTrainedConfig):
+    """The config of ``RegressionPreTrainedModel``: the starting ``a`` and ``b``."""
+
+    model_type = "trainbus-diff-regression"
+
+    def __init__(self, a: float = 0.0, b: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.a = a
+        self.b = b
+        self.hidden_size = 1
+
+
+class RegressionPreTrainedModel(PreTrainedModel):
+    """The regression as a transformers ``PreTrainedModel`` (transformers' tests' default, ``pretrained=True``):
+    a checkpoint holds its config.json and ``from_pretrained`` reads it back."""
+
+    config_class = RegressionConfig
+    base_model_prefix = "regression"
+
+    def __init__(self, config: RegressionConfig) -> None:
+        super().__init__(config)
+        self.a = nn.Parameter(torch.tensor(float(config.a)))
+        self.b = nn.Parameter(torch.tensor(float(config.b)))
+        self.post_init()
+
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        y = input_x * self.a + self.b
+        return (y,) if labels is None else (nn.functional.mse_loss(y, labels), y)
+
+
 class RandomRegressionModel(RegressionModel):
     """A regression whose forward draws from torch, numpy and random: resuming must restore all three."""
 
@@ -188,15 +224,19 @@ def regression_trainer(
     eval_len: int = 64,
     label_names: list[str] | None = None,
     model: nn.Module | None = None,
+    pretrained: bool = False,
     trainer_kwargs: Mapping[str, Any] | None = None,
     **arg_kwargs: Any,
 ) -> Any:
-    """The regression job of transformers' ``get_regression_trainer``, built for ``impl``."""
+    """The regression job of transformers' ``get_regression_trainer``, built for ``impl`` (``pretrained``: its
+    default ``RegressionPreTrainedModel``; otherwise the plain module)."""
     names = label_names or ["labels"]
     if label_names is not None:
         arg_kwargs["label_names"] = label_names
     train = RegressionData(length=train_len, label_names=names)
     evals = RegressionData(length=eval_len, label_names=names)
+    if model is None and pretrained:
+        model = RegressionPreTrainedModel(RegressionConfig(a=a, b=b))
     model = model if model is not None else RegressionModel(a=a, b=b, double_output=double_output)
     args = impl.args(output_dir, **arg_kwargs)
     return impl.Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals, **(trainer_kwargs or {}))
