@@ -271,6 +271,7 @@ TRAINER_ORDER = {
         "GradientAccumulation.train_start",
         "LRScheduler.build",
         "FlowControl.train_start",
+        "Trainer.loss_protocol",  # a STEP_START handler for this run only where the loss may come back normalised
         "CallbackAdapter.on_train_begin",
         "ResumableData._check_data",
         "GradientClipping.collect",

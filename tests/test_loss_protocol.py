@@ -18,7 +18,8 @@ from trainbus.plugins import Trainer, TrainingArguments
 from trainbus.plugins.facade.loss_protocol import (
     accepts_loss_kwargs,
     count_shifted_items,
-    honours_num_items,
+    counted_by_transformers,
+    divides_by_items,
     loss_shifts_labels,
 )
 
@@ -141,17 +142,27 @@ def test_accumulation_equals_one_batch_and_the_true_item_mean(family: str, tmp_p
 def test_the_protocol_is_read_from_the_model() -> None:
     assert loss_shifts_labels(gpt2()) and loss_shifts_labels(llama())
     assert not loss_shifts_labels(t5()) and not loss_shifts_labels(bert_mlm())
-    # transformers 5 gives every family **kwargs, only the causal LMs divide by num_items_in_batch
-    # (transformers 4.46: only some forwards take loss kwargs; those that do use them)
-    assert honours_num_items(gpt2()) == accepts_loss_kwargs(gpt2())
-    assert honours_num_items(llama()) == accepts_loss_kwargs(llama())
-    assert not honours_num_items(t5()) and not honours_num_items(bert_mlm()) and not honours_num_items(bert_tokens())
+    # transformers 5 gives every family **kwargs (its rule: each takes loss kwargs); measured on a batch,
+    # only the causal LMs divide by num_items_in_batch, the others return their own mean
+    rows = {family: uneven_rows(family)[:2] for family in FAMILIES}
+    batches = {f: {k: torch.stack([r[k] for r in rs]) for k in rs[0]} for f, rs in rows.items()}
+    measured = {f: divides_by_items(FAMILIES[f](), batches[f], 5) for f in FAMILIES}
+    assert all(accepts_loss_kwargs(FAMILIES[f]()) for f in FAMILIES)
+    assert measured == {"gpt2": True, "llama": True, "t5": False, "bert_mlm": False, "bert_tokens": False}
+    # what transformers counts: a labels tensor; a detection model's list of dicts is never counted
+    assert counted_by_transformers(batches["gpt2"])
+    assert not counted_by_transformers({"pixel_values": torch.ones(1), "labels": [{"boxes": torch.ones(1, 4)}]})
+    assert divides_by_items(gpt2(), {"input_ids": batches["gpt2"]["input_ids"]}, 5) is None  # no labels: no answer
 
     class Plain(torch.nn.Module):
         def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
             return x
 
-    assert not accepts_loss_kwargs(Plain()) and not loss_shifts_labels(Plain())
+    class Named(torch.nn.Module):  # transformers passes loss kwargs only to a **kwargs forward (or a declared one)
+        def forward(self, x: torch.Tensor, labels: Any = None, num_items_in_batch: Any = None) -> Any:
+            return x
+
+    assert not accepts_loss_kwargs(Plain()) and not loss_shifts_labels(Plain()) and not accepts_loss_kwargs(Named())
     labels = torch.tensor([[1, 2, -100], [-100, 3, 4]])
     assert count_shifted_items({"labels": labels}) == 3  # the first position of each row predicts nothing
     assert count_shifted_items({"labels": labels, "shift_labels": labels}) == 4
@@ -166,7 +177,7 @@ def test_the_model_receives_num_items_in_batch_as_in_transformers(tmp_path: Path
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
 
-        def forward(self, x: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> Any:
+        def forward(self, x: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None, **kwargs: Any) -> Any:
             seen.append(num_items_in_batch)
             per_item = (x @ self.w - labels) ** 2
             total = per_item.sum()
@@ -182,7 +193,9 @@ def test_the_model_receives_num_items_in_batch_as_in_transformers(tmp_path: Path
     )  # fmt: skip
     trainer = Trainer(SumOverItems(), args, train_dataset=rows)
     trainer.train()
-    assert seen[:4] == [8, 8, 8, 8]  # float labels: every element an item, the window's 8
+    # float labels: every element an item, the window's 8; before them the two forwards that measure the
+    # protocol on the first micro-batch (its 2 items, then twice that)
+    assert [int(n) for n in seen] == [2, 4, 8, 8, 8, 8], seen
     xs = torch.stack([r["x"] for r in rows])
     ys = torch.stack([r["labels"] for r in rows])
     w = torch.zeros(3, dtype=torch.float64, requires_grad=True)

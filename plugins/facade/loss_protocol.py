@@ -9,20 +9,22 @@ window's items it averages over. Two facts decide that share, and both come from
   is then off (9% in a four-sequence trial). transformers marks causal LMs by listing them in
   ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` or by their ``loss_type``; encoder-decoders shift inside the
   decoder and count every label.
-- **whether the model divides by ``num_items_in_batch``.** transformers passes the window's item
-  count to a forward that takes loss kwargs (``accepts_loss_kwargs``, else a ``**kwargs``
-  parameter). A model whose loss goes through ``self.loss_function(..., **kwargs)`` (GPT-2, Llama)
-  then returns ``sum / num_items_in_batch``: already normalised over the window. Many forwards
-  take ``**kwargs`` and ignore it (BERT's masked-LM and token-classification heads, T5): they
-  return their own mean, and transformers, which assumes the division happened, sums k means
-  without dividing. trainbus passes the count as transformers does, and weights the loss itself
-  unless the forward visibly uses it.
+- **whether the model divides by ``num_items_in_batch``.** transformers' rule: it passes the window's
+  item count to a forward that takes loss kwargs (the model's ``accepts_loss_kwargs``, else a
+  ``**kwargs`` parameter) when the batch's ``labels`` are a tensor it can count, and then takes the
+  loss as already normalised over the window. Many forwards take ``**kwargs`` and ignore the count
+  (BERT's heads, T5, a detection model whose labels are a list of dicts, which transformers does
+  not count at all): transformers' assumption then sums k means. trainbus passes the count exactly
+  where transformers does, and *measures* whether the loss divides by it (``divides_by_items``: the
+  forward run twice on the step's first batch, with the count and with twice the count, in eval
+  mode, without gradients, the random generators restored), so the window's loss stays its mean.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,6 +34,7 @@ import torch
 
 from trainbus.hooks import get_labels
 
+from ..data.rng import rng_state, set_rng_state
 from ..optimization.accumulation import IGNORE_INDEX, Count, CountItems, count_items
 
 
@@ -56,34 +59,67 @@ def accepts_loss_kwargs(model: Any) -> bool:
     if declared is not None:
         return bool(declared)
     params = inspect.signature(model.forward).parameters.values()
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) or "num_items_in_batch" in {
-        p.name for p in params
-    }
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def honours_num_items(model: Any) -> bool:
-    """Whether the loss the forward returns is divided by the ``num_items_in_batch`` it is given.
+def counted_by_transformers(batch: Any) -> bool:
+    """Whether transformers counts ``num_items_in_batch`` for this batch (``_get_num_items_in_batch``): a dict
+    batch with ``labels`` whose labels (or ``shift_labels``) are a tensor. A detection model's list of
+    per-image dicts is not counted: transformers passes no count and divides the loss by the steps."""
+    if not isinstance(batch, Mapping) or "labels" not in batch:
+        return False
+    labels = batch["shift_labels"] if "shift_labels" in batch else batch["labels"]
+    return isinstance(labels, torch.Tensor)
 
-    A forward that names ``num_items_in_batch`` uses it; a ``**kwargs`` forward does when its source
-    hands the kwargs to ``self.loss_function`` (transformers' loss functions divide by the count).
-    Where the source cannot be read, transformers' assumption (it does) holds.
+
+def divides_by_items(model: Any, batch: Any, count: Any) -> bool | None:
+    """Measured: whether ``model(**batch, num_items_in_batch=n)`` returns a loss divided by ``n``.
+
+    The forward runs twice, with ``count`` and with ``2 * count``: a loss that halves divides by it, one
+    that stays the same ignores it. Eval mode (no dropout, no batch-norm statistics updated), no
+    gradients, every global random generator restored after each run, so training draws what it
+    would have drawn. None when it cannot tell (no items, no loss, a zero or non-finite loss, another
+    ratio): the caller then keeps transformers' assumption.
     """
     model = unwrap_model(model)
-    if not accepts_loss_kwargs(model):
-        return False
-    return _forward_uses_num_items(type(model))
-
-
-@functools.lru_cache(maxsize=64)
-def _forward_uses_num_items(cls: type) -> bool:
-    forward = cls.forward  # type: ignore[attr-defined]
-    if "num_items_in_batch" in inspect.signature(forward).parameters:
-        return True
+    if not counted_by_transformers(batch) or not (isinstance(count, torch.Tensor) or count):
+        return None
+    count = torch.as_tensor(count, device=_labels_of(batch).device)
+    if int(count) <= 0:
+        return None
+    was_training = model.training
+    losses = []
     try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
+        model.eval()
+        for items in (count, count * 2):
+            states = rng_state()
+            try:
+                with torch.no_grad():
+                    losses.append(_loss_of(model(**batch, num_items_in_batch=items)))
+            finally:
+                set_rng_state(states)
+    finally:
+        model.train(was_training)
+    if any(loss is None for loss in losses):
+        return None
+    once, twice = (float(loss.detach().float().sum()) for loss in losses)  # type: ignore[union-attr]
+    if not (math.isfinite(once) and math.isfinite(twice)) or once == 0.0:
+        return None
+    ratio = twice / once
+    if abs(ratio - 0.5) < 1e-3:
         return True
-    return "loss_function(" in source or "num_items_in_batch" in source
+    return False if abs(ratio - 1.0) < 1e-3 else None
+
+
+def _labels_of(batch: Mapping[str, Any]) -> torch.Tensor:
+    return batch["shift_labels"] if "shift_labels" in batch else batch["labels"]  # type: ignore[no-any-return]
+
+
+def _loss_of(outputs: Any) -> torch.Tensor | None:
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, tuple | list) and outputs:
+        loss = outputs[0]
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
 def loss_shifts_labels(model: Any) -> bool:

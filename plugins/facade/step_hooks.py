@@ -19,9 +19,11 @@ from trainbus.engine import Event, LogEvent, Priority, StepStartEvent
 from trainbus.hooks import forward as default_forward
 from trainbus.hooks import get_labels
 
+from ..distributed.processes import all_reduce_sum, collective_device, world_size
 from ..evaluation.collector import hf_prediction_step
+from ..optimization.accumulation import GradientAccumulation
 from .composition import Computed as _Computed
-from .loss_protocol import honours_num_items
+from .loss_protocol import counted_by_transformers, divides_by_items
 from .trainer_checks import compute_loss as trainer_compute_loss
 from .trainer_checks import loss_from_outputs
 
@@ -32,6 +34,10 @@ class TrainerStepHooks:
     #: HF: whether compute_loss's loss is already normalised over the accumulation window (None: only
     #: when a compute_loss_func made it from num_items_in_batch); a subclass with its own loss may set it
     loss_is_scaled_for_ga: bool | None = None
+    #: whether this window's loss comes back divided by num_items_in_batch (``_window_protocol``)
+    _window_scaled = False
+    #: the measured answer of this run's model (``loss_protocol.divides_by_items``); None: not measured yet
+    _model_divides: bool | None = None
 
     # provided by Trainer / Engine
     args: Any
@@ -65,9 +71,78 @@ class TrainerStepHooks:
         elif self.model_accepts_loss_kwargs:
             self.set_hook("forward", self._forward_with_loss_kwargs)
         self.set_hook("prediction_step", self._prediction_step_hook)
+        # before GradientAccumulation weighs the window (PRODUCER): whether its loss comes back normalised
+        self.on(Event.TRAIN_START, self._plan_protocol, name="Trainer.loss_protocol")
+        if self.overrides("training_step") or self.overrides("_get_num_items_in_batch"):
+            self.on(Event.STEP_START, self._publish_window_items, name="Trainer._get_num_items_in_batch")
         if self.overrides("log"):
             # after TrainLogger filled a logging point's record, before history and sinks read it
             self.on(Event.LOG, self._log_through_override, priority=Priority.PRODUCER.after("*"), name="Trainer.log")
+
+    _window_handle: Any = None
+
+    def _plan_protocol(self, ev: Any) -> None:
+        """Each run: whether a window's loss may come back normalised, so that its weighing depends on it.
+        Only then does a handler look at every window (an accumulation plugin's, or a training_step
+        override's, of a model taking loss kwargs); the default run pays nothing per step."""
+        self._model_divides = None  # measured again: train() may have a new model (model_init)
+        self._window_scaled = False
+        accumulation = self.get_plugin(GradientAccumulation)  # type: ignore[attr-defined]
+        weighs = accumulation is not None or self.overrides("training_step")
+        needed = weighs and self.model_accepts_loss_kwargs and self.loss_is_scaled_for_ga is None
+        if needed and self.compute_loss_func is None and self._window_handle is None:
+            name = "Trainer.loss_protocol_window"
+            self._window_handle = self.on(Event.STEP_START, self._window_protocol, priority=Priority.FIRST, name=name)
+        elif not needed and self._window_handle is not None:
+            self._window_handle.remove()
+            self._window_handle = None
+        if accumulation is not None:  # it asked _loss_is_scaled_for_ga already, maybe before this reset
+            accumulation.prescaled = self._loss_is_scaled_for_ga()
+
+    def _window_protocol(self, ev: StepStartEvent) -> None:
+        """Whether this window's loss comes back divided by ``num_items_in_batch``: transformers' rule (the
+        model takes loss kwargs and transformers counts the window's labels), with the model's division
+        measured once per run (``divides_by_items``) where transformers assumes it. The accumulation plugin
+        then weighs the micro-batches' losses unless they are normalised already."""
+        if self.loss_is_scaled_for_ga is not None or self.compute_loss_func is not None:
+            return  # declared by the subclass, or a compute_loss_func divides (HF)
+        first = ev.batches[0]
+        scaled = bool(self.model_accepts_loss_kwargs) and counted_by_transformers(first)
+        accumulation = self.get_plugin(GradientAccumulation)  # type: ignore[attr-defined]
+        weighs = accumulation is not None or (self.overrides("training_step") and len(ev.batches) > 1)
+        if scaled and weighs:
+            if self._model_divides is None:
+                measured = None
+                for batch in ev.batches:  # the first micro-batch with items tells
+                    moved = self.hooks.to_device(batch, self.device)
+                    measured = divides_by_items(self.model, moved, self._count_items(moved))
+                    if measured is not None:
+                        break
+                self._model_divides = True if measured is None else measured  # unmeasurable: HF's assumption
+            scaled = self._model_divides
+        self._window_scaled = scaled
+        if accumulation is not None:
+            accumulation.prescaled = scaled
+
+    def _publish_window_items(self, ev: StepStartEvent) -> None:
+        """``num_items_in_batch`` from ``_get_num_items_in_batch`` (a subclass's override), after the accumulation
+        plugin published its count; with a training_step override (no plugin counts the window), HF's count."""
+        if self.overrides("_get_num_items_in_batch") or self.get_plugin(GradientAccumulation) is None:  # type: ignore[attr-defined]
+            self.step_outputs["num_items_in_batch"] = self._get_num_items_in_batch(list(ev.batches), self.device)
+
+    def _get_num_items_in_batch(self, batch_samples: list[Any], device: Any) -> Any:
+        """HF's: the items of a window's batches (what the model's loss averages over, labels not -100), or
+        None where transformers counts nothing (no ``labels`` tensor; a model without loss kwargs and no
+        compute_loss_func). Summed over the processes with ``average_tokens_across_devices``."""
+        if not batch_samples or not counted_by_transformers(batch_samples[0]):
+            return None
+        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            return None
+        counts = [self._count_items(batch) for batch in batch_samples]
+        items = torch.as_tensor(sum(counts[1:], counts[0]))
+        if world_size() > 1 and self.args.average_tokens_across_devices:
+            items = all_reduce_sum(items.to(collective_device()))
+        return items.to(device) if device is not None else items
 
     def _window_started(self, ev: StepStartEvent) -> None:
         self.current_gradient_accumulation_steps = len(ev.batches)
@@ -96,7 +171,7 @@ class TrainerStepHooks:
         and counting the batch here would add kernels on its device to every step.
         """
         items = self.step_outputs.get("num_items_in_batch")
-        if items is not None and model.training and isinstance(batch, Mapping) and "labels" in batch:
+        if items is not None and model.training and counted_by_transformers(batch):
             return model(**batch, num_items_in_batch=items)
         return default_forward(model, batch)
 
@@ -105,22 +180,28 @@ class TrainerStepHooks:
 
         The accumulation plugin counts them once per window (across processes with
         average_tokens_across_devices) into ``step_outputs``; without one, the items of this batch.
+        None where transformers counts nothing: no ``labels`` tensor, or a model without loss kwargs
+        and no compute_loss_func (``_get_num_items_in_batch``).
         """
-        items = self.step_outputs.get("num_items_in_batch")
-        return items if items is not None else self._count_items(batch)
+        if not counted_by_transformers(batch) or not (self.model_accepts_loss_kwargs or self.compute_loss_func):
+            return None
+        if "num_items_in_batch" in self.step_outputs:  # the window's, published at STEP_START
+            return self.step_outputs["num_items_in_batch"]
+        return self._count_items(batch)
 
     def _loss_is_scaled_for_ga(self) -> bool:
         """Whether the loss is already normalised over the window (HF's ``loss_is_scaled_for_ga``).
 
-        It is when a compute_loss_func made it (with num_items_in_batch), or when the model divides
-        by the ``num_items_in_batch`` it is passed. Unlike HF, a ``**kwargs`` forward that ignores
-        the count (BERT's heads, T5) returns its own mean, which accumulation still weights.
+        It is when a compute_loss_func made it (with num_items_in_batch), or when the model is passed
+        ``num_items_in_batch`` and divides by it (``_window_protocol`` measures, each run). Unlike HF, a
+        ``**kwargs`` forward that ignores the count (BERT's heads, T5) returns its own mean, which
+        accumulation still weights.
         """
         if self.loss_is_scaled_for_ga is not None:
             return bool(self.loss_is_scaled_for_ga)
         if self.compute_loss_func is not None:
             return True
-        return "labels" in self.label_names and honours_num_items(self.model)
+        return self._window_scaled
 
     def _forward_training_step(self, model: torch.nn.Module, batch: Any) -> Any:
         if model.training and torch.is_grad_enabled():
