@@ -27,6 +27,7 @@ from ..observability.debug import parse_debug_options
 from ..optimization.device_settings import check_tf32
 from ..optimization.liger import check_liger_kernel
 from ..optimization.optimizer_names import check_optim
+from .accelerator_config import parse_accelerator_config
 from .argument_checks import (
     DDP_BACKENDS,
     LOG_LEVELS,
@@ -103,6 +104,10 @@ class TrainingArguments(ProcessArguments):
     tf32: bool | None = None
     gradient_checkpointing: bool | None = None
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
+    activation_checkpointing: bool | None = None  # transformers 5.24's name; gradient_checkpointing mirrors it
+    activation_checkpointing_kwargs: dict[str, Any] | str | None = None
+    enable_jit_checkpoint: bool = False  # trainbus checkpoints on SIGTERM either way (the Preemption plugin)
+    accelerator_config: Any = None  # accelerator_config.py: each key trainbus's own sharding honours
     use_cache: bool = False  # HF 5: set on model.config, so a causal LM returns no cache while training
     torch_compile: bool = False
     torch_compile_backend: str | None = None
@@ -188,8 +193,7 @@ class TrainingArguments(ProcessArguments):
             self.output_dir = "trainer_output"  # HF 5 default
         self.output_dir = os.path.expanduser(os.fspath(self.output_dir))
         check_output_dir(self.output_dir)
-        if self.gradient_checkpointing is None:
-            self.gradient_checkpointing = False
+        self._mirror_checkpointing_names()
         if self.disable_tqdm is None:
             self.disable_tqdm = False
         if isinstance(self.include_num_input_tokens_seen, bool):
@@ -207,6 +211,7 @@ class TrainingArguments(ProcessArguments):
         check_trackers(self)
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
             setattr(self, name, dict_argument(name, getattr(self, name)))  # CLI JSON, as HF parses it
+        self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
         check_compile_settings(self)
         check_numbers(self)
         self._check_steps()
@@ -223,6 +228,20 @@ class TrainingArguments(ProcessArguments):
             gradient_accumulation_steps=self.gradient_accumulation_steps, has_cuda=self.n_gpu > 0,
         )  # fmt: skip
         self._check_devices_and_data()
+
+    def _mirror_checkpointing_names(self) -> None:
+        """transformers 5.24 renamed gradient_checkpointing* to activation_checkpointing*; the new name wins when
+        set, and afterwards both names hold the same value, as there."""
+        for old, new in (
+            ("gradient_checkpointing", "activation_checkpointing"),
+            ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+        ):
+            if getattr(self, new) is None:
+                setattr(self, new, getattr(self, old))
+            setattr(self, old, getattr(self, new))
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = self.activation_checkpointing = False
+        self.accelerator_config = parse_accelerator_config(self.accelerator_config)
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_processes(self) -> None:
