@@ -259,6 +259,10 @@ class Engine(Passes, Assembly, Lifecycle):
                     "attach a TrainLogger or a sink to write them out"
                 )
 
+    def _scheduled_evaluation(self) -> None:
+        """The evaluation the flags ask for during training (a facade may route it, as HF's ``_evaluate``)."""
+        self.evaluate()
+
     def _side_effects(self) -> None:
         """Act on the Control flags in the order LOG, EVAL, SAVE; each is reset before it runs."""
         control = self.control
@@ -267,7 +271,7 @@ class Engine(Passes, Assembly, Lifecycle):
             self._fire(Event.LOG, lambda: LogEvent(self, {}, True))
         if control.should_evaluate:
             control.should_evaluate = False
-            self.evaluate()
+            self._scheduled_evaluation()
         if control.should_save:
             control.should_save = False
             self._fire(Event.SAVE, lambda: SaveEvent(self))

@@ -43,8 +43,16 @@ HONOURED: dict[str, str] = {
     "get_decay_parameter_names": "create_optimizer(): the weight-decay group",
     "log": "every log record (steps, evaluations, the train summary)",
     "floating_point_ops": "every micro-batch (total_flos)",
+    "_evaluate": "every scheduled evaluation; the metrics it returns decide the best checkpoint, save_strategy="
+    "'best' and early stopping (also when patched on the instance, as transformers' tests do)",
     "load_generation_config": "Seq2SeqTrainer's constructor, for a generation_config argument",
     "_pad_tensors_to_max_len": "Seq2SeqTrainer.prediction_step, generated tokens padded to the max length",
+    "save_model": "every checkpoint (its folder, before it is committed; _internal_call=True) and the script's call",
+    "_save": "save_model(), in every checkpoint and for the final model",
+    "_save_checkpoint": "every checkpoint save; its super() writes trainbus's checkpoint (atomic, verified)",
+    "_load_from_checkpoint": "resume_from_checkpoint, once the checkpoint is verified; its super() applies the weights",
+    "_load_best_model": "the end of training with load_best_model_at_end and a best checkpoint",
+    "_issue_warnings_after_load": "after the weights load of _load_from_checkpoint and _load_best_model",
 }
 
 OFFERED: dict[str, str] = {
@@ -66,6 +74,15 @@ OFFERED: dict[str, str] = {
 }
 
 _CHECKPOINTING = "the Checkpointing plugin (trainbus.plugins.Checkpointing) or a callback's on_save"
+_SAVE_STATES = (
+    "a _save_checkpoint override (call super(), then add files to args.output_dir/checkpoint-<global_step>) or a "
+    "_save / save_model override (called with the checkpoint's folder before it is committed): trainbus writes the "
+    "optimizer, scheduler, scaler and RNG states itself, as safetensors + JSON listed in manifest.json, not pickle"
+)
+_LOAD_STATES = (
+    "a _load_from_checkpoint override (called on resume with the verified checkpoint's path) to read files of your "
+    "own: trainbus restores the optimizer, scheduler, scaler and RNG states from the verified checkpoint in one step"
+)
 _LOOP = "the engine's loop: add a plugin on its events (trainbus.engine.Event) or an HF callback"
 _DATA = "get_train_dataloader / get_eval_dataloader / get_test_dataloader, or the data collator"
 _NO_HUB = "trainbus never talks to the Hub: upload the saved folder with huggingface_hub yourself"
@@ -80,7 +97,6 @@ REFUSED: dict[str, str] = {
     "_finalize_training": _LOOP + " (Event.TRAIN_END)",
     "_maybe_log_save_evaluate": "HF callbacks' on_log / on_evaluate / on_save, or a plugin on Event.LOG, "
     "EVAL_END and CHECKPOINT_SAVED; an evaluate() override is called by every scheduled evaluation",
-    "_evaluate": "an evaluate() override (every scheduled evaluation calls it)",
     "_determine_best_metric": "metric_for_best_model / greater_is_better, or an evaluate() override returning "
     "the metric",
     "_get_learning_rate": "the LRScheduler plugin (learning_rate is logged from the optimizer's first group)",
@@ -107,20 +123,15 @@ REFUSED: dict[str, str] = {
     "compute_loss_context_manager": "the MixedPrecision plugin (bf16 / fp16), or a compute_loss override",
     "autocast_smart_context_manager": "the MixedPrecision plugin (bf16 / fp16), or a compute_loss override",
     # checkpoints: the Checkpointing plugin writes and reads them (safetensors and JSON, verified)
-    "save_model": _CHECKPOINTING,
-    "_save": _CHECKPOINTING,
-    "_save_checkpoint": _CHECKPOINTING,
-    "_get_output_dir": "output_dir",
-    "_save_rng_state": _CHECKPOINTING,
-    "_save_optimizer_and_scheduler": _CHECKPOINTING,
-    "_save_scaler": _CHECKPOINTING,
-    "_load_from_checkpoint": "resume_from_checkpoint (trainbus.plugins.checkpoints.resuming)",
-    "_load_rng_state": "resume_from_checkpoint (trainbus.plugins.checkpoints.resuming)",
-    "_load_optimizer_and_scheduler": "resume_from_checkpoint (trainbus.plugins.checkpoints.resuming)",
-    "_load_scaler": "resume_from_checkpoint (trainbus.plugins.checkpoints.resuming)",
+    "_get_output_dir": "args.output_dir (checkpoints are args.output_dir/checkpoint-N; a search trial's args are "
+    "its run folder's)",
+    "_save_rng_state": _SAVE_STATES,
+    "_save_optimizer_and_scheduler": _SAVE_STATES,
+    "_save_scaler": _SAVE_STATES,
+    "_load_rng_state": _LOAD_STATES,
+    "_load_optimizer_and_scheduler": _LOAD_STATES,
+    "_load_scaler": _LOAD_STATES,
     "_load_callback_state": "restore_callback_states_from_checkpoint",
-    "_load_best_model": "the LoadBestModelAtEnd plugin (load_best_model_at_end)",
-    "_issue_warnings_after_load": "resume_from_checkpoint (trainbus.plugins.checkpoints.resuming)",
     "_rotate_checkpoints": "save_total_limit (the Checkpointing plugin rotates)",
     "_sorted_checkpoints": "save_total_limit (the Checkpointing plugin rotates)",
     "compare_trainer_and_checkpoint_args": "resume_from_checkpoint (a resumed checkpoint's arguments are checked)",

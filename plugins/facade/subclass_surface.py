@@ -298,6 +298,23 @@ class TrainerInternals:
 
         self.evaluate = evaluate  # the schedule (engine) and the script both call it through here
 
+    def _evaluate(
+        self, trial: Any = None, ignore_keys_for_eval: list[str] | None = None, skip_scheduler: bool = False
+    ) -> Any:
+        """HF's scheduled evaluation: ``evaluate()``, its metrics returned (a plateau schedule steps on them in the
+        LRScheduler plugin at EVAL_END)."""
+        return self.evaluate(ignore_keys=ignore_keys_for_eval)  # type: ignore[attr-defined]
+
+    def _scheduled_evaluation(self) -> None:
+        """Every evaluation the schedule asks for goes through ``self._evaluate`` when a subclass overrides it or a
+        test patches it on the instance (transformers' own tests do): the metrics it returns decide the best
+        checkpoint, save_strategy="best" and early stopping."""
+        patched = "_evaluate" in self.__dict__ or type(self)._evaluate is not TrainerInternals._evaluate
+        if not patched:
+            self.evaluate()  # type: ignore[attr-defined]
+            return
+        self._one_evaluation("eval", lambda: self._evaluate(None, None))
+
     def _one_evaluation(self, prefix: str, body: Callable[[], Any]) -> Any:
         """EVAL_START, ``body()`` (its loops fire the batches), EVAL_END with the metrics ``body`` returned."""
         engine: Any = self
