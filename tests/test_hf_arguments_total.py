@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
         {},
     ],
 )
-def test_activation_and_gradient_checkpointing_mirror_each_other_as_in_transformers(given: dict, tmp_path: Path) -> None:
+def test_activation_and_gradient_checkpointing_mirror_as_in_transformers(given: dict, tmp_path: Path) -> None:
     import dataclasses
 
     hf = transformers.TrainingArguments(str(tmp_path), **given)
