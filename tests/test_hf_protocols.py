@@ -4,6 +4,8 @@
   counts), with the division measured where transformers assumes it. A detection model (YOLOS: labels are a
   list of per-image dicts, the loss ignores the count) trains on transformers' loss under accumulation 2;
   it trained on twice that when a source-text guess said its ``self.loss_function(...)`` divided.
+- label names and "can this model return a loss": ``find_labels`` gives a CLIP model none, and its batches'
+  ``return_loss`` makes evaluate / predict compute the contrastive loss (trainbus reported no eval_loss).
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.differential.hf_diff import assert_same_logs, assert_same_weights, run_both
+from tests.differential.hf_diff import (
+    assert_same_arrays,
+    assert_same_logs,
+    assert_same_metrics,
+    assert_same_weights,
+    run_both,
+)
 
 pytest.importorskip("scipy")  # transformers' Hungarian matcher for detection losses
 
@@ -67,3 +75,72 @@ def test_a_detection_model_trains_on_transformers_loss_under_accumulation(tmp_pa
     model = yolos()
     first = [model(**detection_collate(rows[i : i + 2])).loss.item() for i in (0, 2)]
     assert hf.state.log_history[0]["loss"] == pytest.approx(sum(first) / 2, rel=1e-5)
+
+
+# -- a model that returns a loss without labels: CLIP (contrastive image-text) ---------------------------------
+def clip() -> Any:
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    text = {"vocab_size": 50, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 8}  # fmt: skip
+    vision = {"hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 16, "patch_size": 8}  # fmt: skip
+    return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8))
+
+
+def image_text_rows(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "input_ids": torch.randint(1, 50, (6,), generator=g),
+            "attention_mask": torch.ones(6, dtype=torch.long),
+            "pixel_values": torch.randn(3, 16, 16, generator=g),
+        }
+        for _ in range(n)
+    ]
+
+
+def image_text_collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """As transformers' contrastive image-text example: the batch asks for the loss (``return_loss``)."""
+    return {**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, "return_loss": True}
+
+
+def contrastive_loss(model: Any, rows: list[dict[str, torch.Tensor]], batch_size: int) -> float:
+    """Independent: the mean over batches of (CE(text->image) + CE(image->text)) / 2 on the model's logits."""
+    losses = []
+    with torch.no_grad():
+        for i in range(0, len(rows), batch_size):
+            batch = {k: v for k, v in image_text_collate(rows[i : i + batch_size]).items() if k != "return_loss"}
+            logits = model.eval()(**batch).logits_per_text
+            target = torch.arange(len(logits))
+            ce = torch.nn.functional.cross_entropy
+            losses.append(((ce(logits, target) + ce(logits.T, target)) / 2).item())
+    return sum(losses) / len(losses)
+
+
+def test_a_model_returning_a_loss_without_labels_reports_eval_loss(tmp_path: Path) -> None:
+    """transformers: label_names from ``find_labels`` (none for CLIP); with none, a batch's ``return_loss`` (else
+    ``can_return_loss``) makes prediction_step compute the loss: eval_loss and test_loss are reported."""
+    train, evals, tests = image_text_rows(8, 1), image_text_rows(8, 2), image_text_rows(8, 3)
+
+    def scenario(impl: Any, workdir: Path) -> Any:
+        args = impl.args(workdir, per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=2,
+                         logging_steps=1, save_strategy="no", eval_strategy="steps", eval_steps=2,
+                         remove_unused_columns=False, train_sampling_strategy="sequential")  # fmt: skip
+        trainer = impl.Trainer(model=clip(), args=args, train_dataset=train, eval_dataset=evals,
+                               data_collator=image_text_collate)  # fmt: skip
+        trainer.train()
+        return trainer, trainer.evaluate(), trainer.predict(tests)
+
+    (hf, hf_eval, hf_pred), (tb, tb_eval, tb_pred) = run_both(scenario, tmp_path)
+    assert list(tb.label_names) == hf.label_names == []
+    assert_same_logs(hf.state.log_history, tb.state.log_history)  # the scheduled evaluation's eval_loss too
+    assert_same_metrics(hf_eval, tb_eval)
+    assert_same_metrics(hf_pred.metrics, tb_pred.metrics)
+    assert len(hf_pred.predictions) == len(tb_pred.predictions)
+    assert_same_arrays(hf_pred.predictions[:4], tb_pred.predictions[:4], atol=1e-5)  # logits, embeddings
+    assert hf_pred.label_ids == tb_pred.label_ids == ()
+    assert_same_weights(hf.model, tb.model)
+    assert tb_eval["eval_loss"] == pytest.approx(contrastive_loss(tb.model, evals, 4), rel=1e-5)
+    assert tb_pred.metrics["test_loss"] == pytest.approx(contrastive_loss(tb.model, tests, 4), rel=1e-5)

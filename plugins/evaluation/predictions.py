@@ -118,7 +118,9 @@ def is_cache_object(value: Any) -> bool:
     return isinstance(cache_type, type) and isinstance(value, cache_type)
 
 
-def hf_prediction_step(ignore_keys: list[str] | None = None) -> Callable[..., tuple[Any, Any, Any]]:
+def hf_prediction_step(
+    ignore_keys: list[str] | None = None, can_return_loss: bool = False
+) -> Callable[..., tuple[Any, Any, Any]]:
     """A ``prediction_step`` hook that picks logits like HF: every output but the loss and ``ignore_keys``.
 
     Dict / ModelOutput outputs give the tuple of their other entries (one entry: that tensor);
@@ -133,6 +135,8 @@ def hf_prediction_step(ignore_keys: list[str] | None = None) -> Callable[..., tu
 
         ignored = {*default_ignore_keys(model, ignore_keys), "loss"}
         labels = get_labels(batch, tuple(label_names))  # before the forward: a compute_loss may pop them (HF)
+        if labels is None and not label_names and _returns_loss(batch, can_return_loss):
+            labels = ()  # transformers' loss_without_labels: the loss, and no labels
         outputs = forward(model, batch)
         loss = None if labels is None else compute_loss(outputs, batch).detach()
         if isinstance(outputs, Mapping):
@@ -149,3 +153,9 @@ def hf_prediction_step(ignore_keys: list[str] | None = None) -> Callable[..., tu
         return loss, nested_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, logits), labels
 
     return prediction_step
+
+
+def _returns_loss(batch: Any, can_return_loss: bool) -> bool:
+    """transformers' ``return_loss``: the batch's ``return_loss`` entry, else the model's ``can_return_loss``."""
+    asked = batch.get("return_loss") if isinstance(batch, Mapping) else None
+    return bool(can_return_loss if asked is None else asked)

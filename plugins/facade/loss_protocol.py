@@ -122,6 +122,17 @@ def _loss_of(outputs: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
+def default_label_names(model: Any) -> list[str]:
+    """transformers' default ``label_names``: ``find_labels`` of the model's class (its forward's parameters
+    naming a label; a question-answering model's start / end positions). A CLIP-like model has none."""
+    model = unwrap_model(model)
+    try:
+        from transformers.utils import find_labels
+    except ImportError:  # pragma: no cover - the facade runs with transformers
+        return ["labels"]
+    return list(find_labels(type(model)))
+
+
 def loss_shifts_labels(model: Any) -> bool:
     """Whether the model's loss averages over ``labels[..., 1:]``: a transformers decoder-only causal LM."""
     model = unwrap_model(model)

@@ -263,7 +263,8 @@ class TrainerStepHooks:
         def loss_of(out: Any, b: Any) -> Any:
             return computed["loss"] if "loss" in computed else self.hooks.compute_loss(out, b)
 
-        loss, logits, labels = hf_prediction_step(ignore_keys)(model, inputs, forward, loss_of, self.label_names)
+        step = hf_prediction_step(ignore_keys, bool(getattr(self, "can_return_loss", False)))
+        loss, logits, labels = step(model, inputs, forward, loss_of, self.label_names)
         if loss is not None:
             loss = loss.detach().mean()
         return (loss, None, None) if prediction_loss_only else (loss, logits, labels)
