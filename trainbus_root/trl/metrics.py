@@ -56,6 +56,7 @@ class TRLMetrics(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
         self.total_train_tokens = 0  # over every process (TRL gathers each batch's count)
         self._local_tokens = 0  # this process's, since the last logging point or save
         self._values: dict[str, dict[str, list[tuple[Any, Any]]]] = {m: defaultdict(list) for m in MODES}
+        self._pooled: set[str] = set()
         self._engine: Any = None
 
     def attach(self, engine: Engine) -> None:
@@ -69,8 +70,12 @@ class TRLMetrics(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
     def mode(self) -> str:
         return "train" if self._engine is not None and self._engine.model.training else "eval"
 
-    def add(self, mode: str, name: str, numerator: Any, denominator: Any) -> None:
+    def add(self, mode: str, name: str, numerator: Any, denominator: Any, pooled: bool = False) -> None:
+        """One batch's value of ``name``; ``pooled``: the metric is the ratio of the sums over batches (an exact
+        mean over every token), not TRL's mean of the per-batch ratios."""
         self._values[mode][name].append((numerator, denominator))
+        if pooled:
+            self._pooled.add(name)
 
     def count_tokens(self, ev: BatchStartEvent) -> None:
         self._local_tokens += tokens_in(ev.batch)  # on the host, before the batch moves: no sync
@@ -84,7 +89,8 @@ class TRLMetrics(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
 
     # -- reading -------------------------------------------------------------------------------------
     def means(self, mode: str) -> dict[str, float]:
-        """Each metric's mean of its per-batch ratios (TRL's), read in one transfer; the values are cleared."""
+        """Each metric's mean of its per-batch ratios (TRL's; a pooled one: its sums' ratio), read in one
+        transfer; the values are cleared."""
         values = self._values[mode]
         if not values:
             return {}
@@ -94,12 +100,16 @@ class TRLMetrics(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
         stacked = torch.stack([torch.stack([_as_tensor(n, device), _as_tensor(d, device)]) for n, d in pairs])
         if world_size() > 1:
             stacked = all_reduce_sum(stacked)  # TRL gathers each batch's sums over processes
-        num, den = stacked.unbind(1)
-        ratios = torch.where(den > 0, num / den.clamp(min=1e-300), torch.zeros_like(num)).tolist()
+        sums = stacked.tolist()  # the one host read: [numerator, denominator] per batch, float64
+        ratios = [n / d if d > 0 else 0.0 for n, d in sums]
         out, start = {}, 0
         for name in names:
             count = len(values[name])
-            out[name] = float(sum(ratios[start : start + count]) / count)
+            if name in self._pooled:
+                total, tokens = (sum(column) for column in zip(*sums[start : start + count], strict=True))
+                out[name] = float(total / tokens) if tokens > 0 else 0.0
+            else:
+                out[name] = float(sum(ratios[start : start + count]) / count)
             start += count
         values.clear()
         return out

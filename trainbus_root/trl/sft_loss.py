@@ -39,13 +39,17 @@ class SFTLoss(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
     Args:
         metrics: the ``TRLMetrics`` plugin that logs the metrics.
         loss_type: "nll" (TRL's default) or "dft".
+        token_mean_in_eval: also log ``eval_loss_per_token``, the loss over every predicted eval token. The
+            trainer asks for it with padding-free batches: transformers weighs each eval batch's loss by its
+            batch size, 1 for a padding-free row, so ``eval_loss`` (TRL's) is a plain mean of per-batch means.
     """
 
-    def __init__(self, metrics: TRLMetrics, loss_type: str = "nll") -> None:
+    def __init__(self, metrics: TRLMetrics, loss_type: str = "nll", token_mean_in_eval: bool = False) -> None:
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"SFT loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
         self.metrics = metrics
         self.loss_type = loss_type
+        self.token_mean_in_eval = token_mean_in_eval
         self._engine: Any = None
 
     def attach(self, engine: Engine) -> None:
@@ -66,4 +70,6 @@ class SFTLoss(Plugin):  # type: ignore[misc]  # mypy reads trainbus.* as Any
         mode = self.metrics.mode()
         self.metrics.add(mode, "entropy", outputs.entropy.detach().sum(), valid)
         self.metrics.add(mode, "mean_token_accuracy", outputs.is_top1.sum(), valid)
+        if mode == "eval" and self.token_mean_in_eval:
+            self.metrics.add(mode, "loss_per_token", per_token.detach().sum(), valid, pooled=True)
         return loss

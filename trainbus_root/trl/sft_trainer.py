@@ -88,7 +88,7 @@ class SFTTrainer(Trainer):  # type: ignore[misc]  # mypy reads trainbus.* as Any
         eval_dataset = self._prepare_eval(eval_dataset, args)
         setup.check_lm_head_not_adapted(model)
         self.trl_metrics = TRLMetrics()
-        sft_loss = SFTLoss(self.trl_metrics, args.loss_type)
+        sft_loss = SFTLoss(self.trl_metrics, args.loss_type, token_mean_in_eval=self.padding_free)
         super().__init__(
             model, args, data_collator, train_dataset, eval_dataset, processing_class,
             compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
