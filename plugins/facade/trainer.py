@@ -49,7 +49,7 @@ from .composition import (
 )
 from .dataloaders import TrainerData, pads_batches
 from .hf_names import REFUSED, check_overrides, refusing_method
-from .loss_protocol import accepts_loss_kwargs, item_counter
+from .loss_protocol import accepts_loss_kwargs, default_label_names, item_counter
 from .model_card import write_model_card
 from .model_folder import align_special_tokens, applies_use_cache
 from .optimizer_setup import TrainerOptimizers
@@ -165,7 +165,8 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         model = model.to(args.device)
         if getattr(model, "config", None) is not None and applies_use_cache():
             model.config.use_cache = args.use_cache  # as HF 5: no KV cache in training / evaluation outputs
-        self.label_names_arg = list(args.label_names) if args.label_names else ["labels"]
+        # transformers' rule: find_labels of the model's class unless label_names is given ([] honoured as empty)
+        self.label_names_arg = list(args.label_names) if args.label_names is not None else default_label_names(model)
         self._model_for_columns = model
         #: HF's: the forward takes loss kwargs, so training passes it ``num_items_in_batch``
         self.model_accepts_loss_kwargs = accepts_loss_kwargs(model)
