@@ -6,6 +6,8 @@
   it trained on twice that when a source-text guess said its ``self.loss_function(...)`` divided.
 - label names and "can this model return a loss": ``find_labels`` gives a CLIP model none, and its batches'
   ``return_loss`` makes evaluate / predict compute the contrastive loss (trainbus reported no eval_loss).
+- the evaluation and prediction loaders are read one batch ahead (accelerate's DataLoaderShard), so random
+  eval transforms draw the numbers they draw under transformers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import pytest
 import torch
 
 from tests.differential.hf_diff import (
+    AlmostAccuracy,
+    RegressionData,
+    RegressionModel,
     assert_same_arrays,
     assert_same_logs,
     assert_same_metrics,
@@ -144,3 +149,43 @@ def test_a_model_returning_a_loss_without_labels_reports_eval_loss(tmp_path: Pat
     assert_same_weights(hf.model, tb.model)
     assert tb_eval["eval_loss"] == pytest.approx(contrastive_loss(tb.model, evals, 4), rel=1e-5)
     assert tb_pred.metrics["test_loss"] == pytest.approx(contrastive_loss(tb.model, tests, 4), rel=1e-5)
+
+
+# -- evaluation and prediction loops read their loader one batch ahead, as accelerate reads it -------------------
+class NoisyRegressionData(RegressionData):
+    """A random eval transform: each sample's input gets noise drawn from torch's global generator."""
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item = super().__getitem__(i)
+        item["input_x"] = item["input_x"] + 0.1 * torch.randn(()).item()
+        return item
+
+
+class NoisyForward(RegressionModel):
+    """A forward that draws in eval mode too: interleaved with the transform's draws, the order shows."""
+
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        y = input_x * self.a + self.b + 0.01 * torch.randn(())
+        return (y,) if labels is None else (torch.nn.functional.mse_loss(y, labels), y)
+
+
+def test_random_eval_transforms_draw_as_under_transformers(tmp_path: Path) -> None:
+    """The eval loss, accuracy and predictions of scheduled evaluations, evaluate() and predict() agree (they drew
+    batch i+1's noise after batch i's forward before: eval_loss 10.667 vs transformers' 10.636 at step 2)."""
+
+    def scenario(impl: Any, workdir: Path) -> Any:
+        args = impl.args(workdir, per_device_train_batch_size=8, per_device_eval_batch_size=8, max_steps=4,
+                         logging_steps=2, save_strategy="no", eval_strategy="steps", eval_steps=2,
+                         learning_rate=0.1)  # fmt: skip
+        train, evals = NoisyRegressionData(32, seed=1), NoisyRegressionData(24, seed=2)
+        trainer = impl.Trainer(model=NoisyForward(), args=args, train_dataset=train, eval_dataset=evals,
+                               compute_metrics=AlmostAccuracy())  # fmt: skip
+        trainer.train()
+        return trainer, trainer.evaluate(), trainer.predict(NoisyRegressionData(24, seed=3))
+
+    (hf, hf_eval, hf_pred), (tb, tb_eval, tb_pred) = run_both(scenario, tmp_path)
+    assert_same_logs(hf.state.log_history, tb.state.log_history)
+    assert_same_metrics(hf_eval, tb_eval)
+    assert_same_metrics(hf_pred.metrics, tb_pred.metrics)
+    assert_same_arrays(hf_pred.predictions, tb_pred.predictions)
+    assert_same_arrays(hf_pred.label_ids, tb_pred.label_ids)

@@ -156,6 +156,15 @@ def fetch_one_ahead(batches: Iterable[Any], note_in_flight: Callable[[Any], None
     yield current
 
 
+class FetchAheadLoader(DataLoader[Any]):
+    """A DataLoader read as accelerate's ``DataLoaderShard`` reads it (what transformers' evaluation and prediction
+    loops iterate): each batch is yielded once the next one has been made, so a random transform or collator
+    draws batch i+1's numbers before the model runs batch i, as under transformers."""
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return fetch_one_ahead(super().__iter__())
+
+
 IMPLICIT = "_implicit_resumable_data"  # the engine's attribute for the one ensure_resumable_data attached
 
 
@@ -281,11 +290,13 @@ def build_dataloader(
     prefetch_factor: int | None = None,
     multiprocessing_context: str | None = None,
     sampler: Sampler[int] | None = None,
+    loader_class: type[DataLoader[Any]] = DataLoader,
 ) -> DataLoader[Any]:
     """A DataLoader with an ``EpochSampler`` when shuffling a map-style dataset (iterables keep their order).
 
     ``sampler`` replaces that choice (e.g. a ``LengthGroupedEpochSampler``); ``multiprocessing_context``
-    is the workers' start method ("fork", "spawn", "forkserver") when ``num_workers > 0``.
+    is the workers' start method ("fork", "spawn", "forkserver") when ``num_workers > 0``; ``loader_class``
+    a DataLoader subclass (``FetchAheadLoader`` for the Trainer's evaluation and prediction loaders).
     """
     if isinstance(dataset, DataLoader):
         return dataset
@@ -311,7 +322,7 @@ def build_dataloader(
         )
     if num_workers > 0 and not iterable:
         dataset = SeededBatches(dataset, seed)
-    return DataLoader(
+    return loader_class(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -341,6 +352,7 @@ class _IterableWrapper(IterableDataset[Any]):
 __all__ = [
     "DataCollatorWithPadding",
     "EpochSampler",
+    "FetchAheadLoader",
     "RemoveColumnsCollator",
     "ResumableData",
     "build_dataloader",

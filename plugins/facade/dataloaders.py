@@ -13,10 +13,13 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from torch.utils.data import DataLoader
+
 from trainbus.engine import ConfigError
 
 from ..data.length_grouping import eval_sampler, main_input_name_of, train_sampler
 from ..data.loading import (
+    FetchAheadLoader,
     RemoveColumnsCollator,
     build_dataloader,
     is_tokenizer_like,
@@ -69,7 +72,7 @@ class TrainerData:
             return self.data_collator  # datasets.Dataset columns are removed on the dataset itself
         return RemoveColumnsCollator(self.data_collator, keep, self._model_for_columns)
 
-    def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool) -> Any:
+    def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool, ahead: bool = False) -> Any:
         args = self.args
         seed = args.data_seed if args.data_seed is not None else args.seed
         sampler = None if shuffle else eval_sampler(dataset, str(args.train_sampling_strategy))  # 4.x's draw
@@ -91,6 +94,7 @@ class TrainerData:
             prefetch_factor=args.dataloader_prefetch_factor,
             multiprocessing_context=args.dataloader_multiprocessing_context,
             sampler=sampler,
+            loader_class=FetchAheadLoader if ahead else DataLoader,  # read as accelerate reads HF's eval loaders
         )
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
@@ -124,10 +128,10 @@ class TrainerData:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ConfigError("Trainer: evaluation requires an eval_dataset")
-        return self._loader(dataset, self.args.eval_batch_size, False, self.args.dataloader_drop_last)
+        return self._loader(dataset, self.args.eval_batch_size, False, self.args.dataloader_drop_last, ahead=True)
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
-        return self._loader(test_dataset, self.args.eval_batch_size, False, self.args.dataloader_drop_last)
+        return self._loader(test_dataset, self.args.eval_batch_size, False, self.args.dataloader_drop_last, ahead=True)
 
     def _eval_loaders(self, dataset: Any) -> Any:
         if isinstance(dataset, Mapping):
