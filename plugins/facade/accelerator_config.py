@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trainbus.engine import ConfigError
+from trainbus.engine.errors import ConfigNotImplementedError
 
 #: transformers' keys with its defaults: the behaviour trainbus's sharding has
 DEFAULTS: dict[str, Any] = {
@@ -46,6 +47,10 @@ def parse_accelerator_config(value: Any) -> Any:
     string or file, or an AcceleratorConfig: as transformers' TrainingArguments holds it."""
     if value is None:
         value = {}
+    if isinstance(value, type):  # transformers: a class is "not implemented" (its NotImplementedError)
+        raise ConfigNotImplementedError(
+            f"accelerator_config must be an AcceleratorConfig instance (or a dict / JSON), not the class {value!r}"
+        )
     if hasattr(value, "to_dict") and type(value).__name__ == "AcceleratorConfig":
         value = value.to_dict()
     elif isinstance(value, str):

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from trainbus.engine import Engine
 
 logger = logging.getLogger("trainbus.plugins")
+#: transformers' loggers: its warnings, where a ported script (or transformers' own tests) listens for them
+hf_callback_logger = logging.getLogger("transformers.trainer_callback")
+hf_trainer_logger = logging.getLogger("transformers.trainer")
 
 CALLBACK_EVENTS = (
     "on_init_end",
@@ -111,6 +114,9 @@ class TrainerCallback:
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         """After each evaluation / prediction batch."""
 
+    def on_push_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Before a push to the Hub (trainbus never pushes; a script's handler.on_push_begin calls it)."""
+
 
 class CallbackAdapter(CallbackHandlerMethods, Plugin):
     """Drives HF-style callbacks (``TrainerCallback`` subclasses, transformers' own, or duck-typed objects).
@@ -136,6 +142,7 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
         self.eval_dataloader: Any = None
         self._engine: Engine | None = None
         self._step_handles: dict[str, Any] = {}
+        self._standin_types: set[Any] = set()
         for cb in callbacks:
             self.add_callback(cb)
 
@@ -147,8 +154,12 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
                 f"{type(cb).__name__} has none of the TrainerCallback methods ({', '.join(CALLBACK_EVENTS)})"
             )
         if any(type(c) is type(cb) for c in self.callbacks):
-            logger.warning("adding a second %s to the callbacks", type(cb).__name__)
+            hf_callback_logger.warning(
+                f"You are adding a {type(cb)} to the callbacks of this Trainer, but there is already one. The current "
+                f"list of callbacks is:\n{self.callback_list}"
+            )
         self.callbacks.append(cb)
+        self.standing_in_for(cb, added=True)
         self._sync_step_handlers()
         return cb
 
@@ -157,12 +168,39 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
         for cb in self.callbacks:
             if (isinstance(callback, type) and isinstance(cb, callback)) or cb is callback:
                 self.callbacks.remove(cb)
+                self.standing_in_for(cb, added=False)
                 self._sync_step_handlers()
                 return cb
         return None
 
     def remove_callback(self, callback: Any) -> None:
         self.pop_callback(callback)
+
+    def standing_in_for(self, callback: Any, added: bool) -> None:
+        """One of transformers' default callbacks added or removed: its trainbus plugin follows (``standin_plugin``)."""
+        plugin_type, engine = standin_plugin(callback), self._engine
+        if plugin_type is None or engine is None:
+            return  # not a stand-in, or the Trainer is still composing (it builds the plugins from the arguments)
+        present = engine.get_plugin(plugin_type) is not None
+        if added and not present:
+            from ..control.flow import FlowControl
+
+            engine.add_plugin(FlowControl.from_args(self.args) if plugin_type is FlowControl else plugin_type())
+        elif not added and present and not any(standin_plugin(cb) is plugin_type for cb in self.callbacks):
+            engine.pop_plugin(plugin_type)
+
+    def removed_plugins(self) -> set[type]:
+        """The plugin types whose stand-in was taken out of the list (composing again leaves them out)."""
+        listed = {standin_plugin(cb) for cb in self.callbacks}
+        return {t for t in self._standin_types if t not in listed}
+
+    def insert_defaults(self, disable_tqdm: bool) -> None:
+        """transformers' list: ``DefaultFlowCallback`` first, the script's callbacks, then the progress callback."""
+        from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback, ProgressCallback
+
+        self.callbacks.insert(0, DefaultFlowCallback())
+        self.callbacks.append(PrinterCallback() if disable_tqdm else ProgressCallback())
+        self._standin_types = {standin_plugin(cb) for cb in self.callbacks} - {None}
 
     @property
     def callback_list(self) -> str:
@@ -183,8 +221,8 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
         }
         for cb in list(self.callbacks):
             method = getattr(cb, event, None)
-            if method is None:
-                continue  # duck-typed callbacks may implement only some events
+            if method is None or standin_plugin(cb) is not None:
+                continue  # duck-typed callbacks may implement only some events; a stand-in's plugin does its work
             result = method(self.args, engine.state, control, **kwargs)
             if result is not None and result is not control:
                 for flag in CONTROL_FLAGS:
@@ -253,7 +291,8 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
         if engine is None:
             return
         for key, event, handler, priority, methods in self._step_handlers():
-            wanted = any(_overrides(cb, name) for cb in self.callbacks for name in methods)
+            called = [cb for cb in self.callbacks if standin_plugin(cb) is None]
+            wanted = any(_overrides(cb, name) for cb in called for name in methods)
             handle = self._step_handles.get(key)
             if wanted and handle is None:
                 self._step_handles[key] = self.on(engine, event, handler, priority=priority)
@@ -325,11 +364,32 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
         self.callbacks = [cb for cb in self.callbacks if not any(cb is r for r in replaced)] + restored_list
         missing = [name for name in saved if name not in seen]
         if missing:
-            logger.warning(
-                "Checkpoint included callbacks not included in current configuration. Ignoring. (%s)",
-                ", ".join(missing),
+            hf_trainer_logger.warning(  # transformers' words, formatted in the message as transformers does
+                f"Checkpoint included callbacks not included in current configuration. Ignoring. ({', '.join(missing)})"
             )
         self._sync_step_handlers()
+
+
+def standin_plugin(callback: Any) -> type | None:
+    """The trainbus plugin that does the work of one of transformers' default callbacks, for an instance of it.
+
+    transformers' Trainer lists ``DefaultFlowCallback`` and ``ProgressCallback`` (``PrinterCallback`` with
+    ``disable_tqdm``) among its callbacks; in trainbus ``FlowControl`` and ``ProgressBars`` / ``Printer`` do
+    that work. The list holds transformers' own instances as stand-ins, which are never called: removing one
+    removes its plugin, adding one adds it.
+    """
+    module = type(callback).__module__
+    if module != "transformers.trainer_callback":
+        return None
+    from ..control.flow import FlowControl
+    from ..observability.progress import Printer, ProgressBars
+
+    plugins: dict[str, type] = {
+        "DefaultFlowCallback": FlowControl,
+        "ProgressCallback": ProgressBars,
+        "PrinterCallback": Printer,
+    }
+    return plugins.get(type(callback).__name__)
 
 
 def _overrides(callback: Any, name: str) -> bool:
@@ -340,4 +400,4 @@ def _overrides(callback: Any, name: str) -> bool:
     return callable(getattr(callback, name, None))  # set on the instance
 
 
-install_handler_methods(CallbackAdapter, CALLBACK_EVENTS)
+install_handler_methods(CallbackAdapter, (*CALLBACK_EVENTS, "on_push_begin"))

@@ -178,6 +178,7 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         args = self.args
         hf_callbacks = [cb for cb in callbacks if not _is_plugin(cb)]
         self.callback_handler = CallbackAdapter(hf_callbacks, args, self.processing_class)
+        self.callback_handler.insert_defaults(bool(args.disable_tqdm))  # stand-ins for FlowControl and progress
         self._built_plugins = build_plugins(self, args, *self._given)
         for plugin in self._built_plugins:
             self.add_plugin(plugin)
@@ -214,7 +215,8 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         self._prediction_loss_only = args.prediction_loss_only
         self.callback_handler.args = args
         self.eval_data = None  # made again from the new arguments when first needed
-        built = build_plugins(self, args, *self._given)
+        removed = self.callback_handler.removed_plugins()  # a default callback the script took out stays out
+        built = [p for p in build_plugins(self, args, *self._given) if type(p) not in removed]
         if any(isinstance(p, LRScheduler) for p in kept):  # the script installed its own (self.lr_scheduler = ...)
             built = [p for p in built if not isinstance(p, LRScheduler)]
         self._built_plugins = built

@@ -44,11 +44,6 @@ def _recorder_class(impl):
     return EventRecorderCallback
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainbus's callback_handler.callbacks lists only the user's callbacks, not DefaultFlowCallback and "
-    "ProgressCallback / PrinterCallback (NOTES.md, finding for lead, issue 34 item 3)",
-)
 @pytest.mark.parametrize("case", ["default", "custom_added", "tqdm_disabled"])
 def test_default_callbacks__mirrors_test_init_callback(tmp_path, case):
     """Also test_default_callbacks_are_present, test_custom_callback_added_at_init,
@@ -69,11 +64,6 @@ def test_default_callbacks__mirrors_test_init_callback(tmp_path, case):
     assert tb == hf
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainbus gives no warning on transformers.trainer_callback's logger for a callback class passed "
-    "twice (NOTES.md, finding for lead)",
-)
 def test_duplicate_warned_on_transformers_logger__mirrors_test_duplicate_callback_warning(tmp_path):
     import transformers.trainer_callback
 
@@ -88,10 +78,6 @@ def test_duplicate_warned_on_transformers_logger__mirrors_test_duplicate_callbac
     assert tb is hf
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainbus's callback_handler has no on_push_begin (NOTES.md, finding for lead)",
-)
 def test_push_begin_through_handler__mirrors_test_on_push_begin_event(tmp_path):
     def scenario(impl, d):
         trainer = _trainer(impl, d, callbacks=[_recorder_class(impl)], max_steps=1, disable_tqdm=True)
@@ -117,11 +103,6 @@ _STATEFUL = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainbus warns about the missing EarlyStoppingCallback state on its own logger, not on "
-    "transformers.trainer's, which transformers' test patches (NOTES.md, finding for lead, issue 34 item 3)",
-)
 def test_missing_state_warned_on_transformers_logger__mirrors_test_missing_stateful_callback_warning(tmp_path):
     import transformers.trainer
 
