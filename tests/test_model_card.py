@@ -3,6 +3,7 @@ its YAML metadata as transformers' create_model_card writes it (a differential c
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,9 @@ def test_model_card_describes_the_run(tmp_path: Path) -> None:
     trainer = Trainer(Regressor(), args, train_dataset=regression_data(24), eval_dataset=regression_data(8))
     trainer.train()
     trainer.save_model()
-    saved_card = (tmp_path / "README.md").read_text()  # save_model writes the card
+    assert not (tmp_path / "README.md").exists()  # save_model writes no card, as transformers' (create_model_card does)
+    trainer.create_model_card()
+    saved_card = (tmp_path / "README.md").read_text()
     rows = [line for line in saved_card.splitlines() if line.startswith("| ") and "Training Loss" not in line]
     evals = [r for r in trainer.state.log_history if "eval_loss" in r]
     losses = [r for r in trainer.state.log_history if "loss" in r]
@@ -52,7 +55,10 @@ def test_model_card_describes_the_run(tmp_path: Path) -> None:
     assert "- total train batch size: 8" in text
     assert "| Training Loss | Epoch | Step | Loss |" in text and text.count("\n| ") >= 3
     assert "![training curves](training_curves.png)" in text and (tmp_path / "training_curves.png").is_file()
-    assert f"- torch {torch.__version__}" in text and "- trainbus " in text
+    # the installed package's version (a CUDA wheel's torch.__version__ may carry a "+cu128" its metadata lacks)
+    torch_version = importlib.metadata.version("torch")
+    assert f"\n- torch {torch_version}\n" in text and "- trainbus " in text
+    assert torch_version.split("+")[0] == torch.__version__.split("+")[0]
     assert (tmp_path / "model.safetensors").is_file()  # the card sits next to the saved model
 
 

@@ -1,0 +1,48 @@
+"""What trainbus.trl writes to disk, against TRL: the model card only where TRL writes one, and LoRA checkpoints that
+hold the adapter (peft's folder) and no full model.
+
+TRL writes ``README.md`` into output_dir with every checkpoint (its ``_save_checkpoint``); transformers'
+``save_model`` writes none. With ``save_strategy="no"`` a script that ends with ``trainer.save_model()`` (TRL's
+``sft.py`` / ``dpo.py``) therefore leaves no model card.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conformance.harness import compare_files, extra_files
+from trl_jobs import IMPLEMENTATIONS, as_run, common_config, dpo_script, preference_rows, sft_script, text_rows
+
+JOBS = {
+    "sft": lambda name, tok, out, **c: sft_script(name, tok, "llama", text_rows(6, 1), common_config(out, **c)),
+    "dpo": lambda name, tok, out, **c: dpo_script(name, tok, "llama", preference_rows(4, 1), common_config(out, **c)),
+}
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_no_model_card_without_checkpoints(tmp_path: Path, tokenizer_dir: str, job: str) -> None:
+    """``save_strategy="no"`` then ``save_model()``, as TRL's scripts end: the same files as TRL, no README.md."""
+    runs = {}
+    for name in IMPLEMENTATIONS:
+        trainer = JOBS[job](name, tokenizer_dir, tmp_path / name, max_steps=1, save_strategy="no", max_length=24)
+        trainer.save_model()
+        runs[name] = as_run(name, trainer)
+    assert not any(f.endswith("README.md") for f in runs["trl"].files)  # TRL writes none here
+    assert not any(f.endswith("README.md") for f in runs["trainbus"].files), sorted(runs["trainbus"].files)
+    assert not compare_files(runs["trl"], runs["trainbus"])
+    assert "model.safetensors" in runs["trainbus"].files
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_model_card_with_checkpoints_as_trl(tmp_path: Path, tokenizer_dir: str, job: str) -> None:
+    """With checkpoints TRL writes README.md into output_dir (not into checkpoint-N): trainbus.trl too."""
+    runs = {}
+    for name in IMPLEMENTATIONS:
+        trainer = JOBS[job](name, tokenizer_dir, tmp_path / name, max_steps=1, save_strategy="steps", save_steps=1,
+                            max_length=24)  # fmt: skip
+        runs[name] = as_run(name, trainer)
+    cards = {name: sorted(f for f in run.files if f.endswith("README.md")) for name, run in runs.items()}
+    assert cards["trl"] == ["README.md"]
+    assert cards["trainbus"] == cards["trl"]
+    assert not {f for f in extra_files(runs["trl"], runs["trainbus"]) if f.endswith("README.md")}
