@@ -189,6 +189,11 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
         elif not added and present and not any(standin_plugin(cb) is plugin_type for cb in self.callbacks):
             engine.pop_plugin(plugin_type)
 
+    @property
+    def standin_types(self) -> set[Any]:
+        """The plugin types transformers' default callbacks stand in for in this Trainer."""
+        return set(self._standin_types)
+
     def removed_plugins(self) -> set[type]:
         """The plugin types whose stand-in was taken out of the list (composing again leaves them out)."""
         listed = {standin_plugin(cb) for cb in self.callbacks}

@@ -205,7 +205,8 @@ class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers
         the plugins built from the old arguments are replaced by those of the new ones, in the same places;
         plugins the script added (callbacks, ``plugins=``, ``add_callback``) stay as they are."""
         args = self.args
-        kept = [p for p in self.plugins if not any(p is b for b in self._built_plugins)]
+        standins = self.callback_handler.standin_types  # FlowControl / progress an add_callback put back: built again
+        kept = [p for p in self.plugins if not any(p is b for b in self._built_plugins) and type(p) not in standins]
         for plugin in reversed(list(self.plugins)):
             self.pop_plugin(plugin)
         self.accumulation_steps = 1  # the new accumulation plugin (if any) sets it again
