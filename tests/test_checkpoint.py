@@ -42,6 +42,7 @@ FILES = {
     "rng.json",
     "rng.safetensors",
     "trainer_state.json",
+    "trainbus_state.json",
 }
 
 

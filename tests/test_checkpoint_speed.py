@@ -35,7 +35,7 @@ from trainbus.plugins.checkpoints.codec import join_tensors, split_tensors
 from trainbus.plugins.checkpoints.frozen import base_fingerprint
 
 TENSOR_FILES = ["model.safetensors", "optimizer.safetensors", "plugins.safetensors", "rng.safetensors"]
-JSON_FILES = ["optimizer.json", "plugins.json", "rng.json", "trainer_state.json"]
+JSON_FILES = ["optimizer.json", "plugins.json", "rng.json", "trainbus_state.json", "trainer_state.json"]
 
 
 def make_engine(seed: int = 0) -> Engine:

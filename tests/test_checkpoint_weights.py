@@ -159,8 +159,9 @@ def test_adapters_trained_in_turn_are_all_saved_and_resume_bit_for_bit(tmp_path:
     """peft freezes the adapter not active: it is still saved, and the base fingerprint ignores which one is."""
     full = adapter_run(tmp_path / "full", 5)
     folder = tmp_path / "full" / "checkpoint-2"
-    saved = set(load_file(str(folder / "model.safetensors")))
+    saved = set(load_file(str(folder / "trainbus_weights.safetensors")))  # the resume's: peft's folder is the model's
     assert {n for n in full.model.state_dict() if "lora_" in n} == saved  # both adapters, no base weight
+    assert not (folder / "model.safetensors").exists()  # no second copy of the adapter for from_pretrained to misread
     assert read_manifest(folder)["frozen_base"]["parameters"] == 4  # the two Linear layers' weights and biases
     assert all((folder / name / "adapter_model.safetensors").is_file() for name in ("task_a", "task_b"))
     assert not (folder / "config.json").exists()

@@ -3,9 +3,11 @@
 A checkpoint is a directory ``output_dir/checkpoint-{global_step}`` holding, with no pickle:
 
 - ``model.safetensors``: the model's weights (tied weights once, under transformers' name: ``weights.py``),
-  frozen ones included; of an adapter (peft) model only what trains and the buffers, with the frozen
-  base's fingerprint in the manifest (``frozen.py``), checked when the checkpoint is loaded, next to
-  peft's own folder files;
+  frozen ones included; of an adapter (peft) model only what trains and the buffers, as
+  ``trainbus_weights.safetensors``, with the frozen base's fingerprint in the manifest (``frozen.py``),
+  checked when the checkpoint is loaded, next to peft's own folder files; where a Trainer subclass's
+  ``save_model`` / ``_save`` writes the model files, they are its, and trainbus's weights are
+  ``trainbus_weights.safetensors`` unless its ``super()._save`` wrote them (``model_part.py``);
 - ``optimizer.json`` + ``optimizer.safetensors``: ``optimizer.state_dict()``;
 - ``plugins.json`` + ``plugins.safetensors``: every plugin's ``state_dict()`` (scheduler,
   scaler, early stopping, ...), keyed by plugin name;
@@ -25,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,11 +54,12 @@ from . import io as cio
 from .checkpoint_checks import check_checkpointing_arguments, unscheduled_saves
 from .directory import PREFIX, latest_checkpoint, list_checkpoints, publish_directory
 from .final_model import save_model
-from .frozen import BASE_MODEL_FILES, adapter_model, checkpoint_fingerprint, trainable_state_dict, write_adapter_folder
+from .frozen import BASE_MODEL_FILES, checkpoint_fingerprint
 from .history import write_trainer_state
 from .io import load_model_weights
 from .lineage import RunClaim, claim_run
 from .load_best import LoadBestModelAtEnd
+from .model_part import ModelPart, added_files
 from .resuming import (
     chosen_by_main,
     load_checkpoint,
@@ -136,7 +139,7 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
         frozen_base = checkpoint_fingerprint(engine.model)
-        files = _write_model(engine, tmp, frozen_base, model_folder)
+        files, model_listed = _write_model(engine, tmp, frozen_base, model_folder)
         if not model_only:
             files |= _write_training_state(engine, tmp, rng_states)
         # the log history's full segments are linked from the last save, not rewritten (history.py)
@@ -145,7 +148,8 @@ def save_checkpoint(
         processes = {"world_size": len(rng_states)} if len(rng_states) > 1 else {}
         base = {"frozen_base": frozen_base} if frozen_base is not None else {}
         only = {"model_only": True} if model_only else {}
-        listed = {"global_step": state.global_step, **processes, **base, **only, **history, **(info or {})}
+        listed = {"global_step": state.global_step, **processes, **base, **only, **history, **model_listed}
+        listed |= info or {}
         cio.write_manifest(tmp, files, listed, entries=files)
         # every file and tmp's entries durable before the rename (a linked segment's data already is)
         cio.sync_files(tmp, [*(name for name in files if name not in linked), cio.MANIFEST])
@@ -159,20 +163,24 @@ def save_checkpoint(
 
 def _write_model(
     engine: Engine, tmp: Path, frozen_base: Any, model_folder: Callable[[Path], None] | None
-) -> dict[str, dict[str, Any]]:
-    """The weights (of an adapter model only what trains) and the model folder's files; their manifest entries."""
-    weights = tmp / "model.safetensors"
-    if frozen_base is None:
-        written = cio.save_weights(engine.model, weights)
-    else:  # an adapter model: only what trains, the base known by its fingerprint
-        written = cio.write_tensors(weights, trainable_state_dict(engine.model))
-    files = {weights.name: written}  # file name -> manifest entry: size, and the hash taken as it was written
-    adapter = adapter_model(engine.model)
-    if adapter is not None:  # peft's own folder, as transformers' checkpoint of it (frozen.py)
-        files |= _write_listed(tmp, partial(write_adapter_folder, adapter))
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The weights (of an adapter model only what trains) and the model folder's files; their manifest entries,
+    and what the manifest records about them (``model_part.py``).
+
+    A ``model_folder`` whose ``saves_model`` is true (the facade, for a subclass overriding ``save_model`` /
+    ``_save``) writes the model part itself: trainbus's weights only if its ``_save`` reaches the part.
+    """
+    part = ModelPart(engine.model, tmp, frozen_base)
+    if model_folder is not None and getattr(model_folder, "saves_model", False):
+        with part.open():
+            model_folder(tmp)
+        return part.finish()
+    part.write_weights()
     if model_folder is not None:
-        files |= _write_listed(tmp, model_folder, refused=BASE_MODEL_FILES if adapter is not None else ())
-    return files
+        added = added_files(tmp, model_folder)
+        for name in [n for n in added if part.adapter is not None and n in BASE_MODEL_FILES]:
+            (tmp / name).unlink()  # a base model's config.json in an adapter checkpoint would load a random base
+    return part.finish()
 
 
 def _write_training_state(engine: Engine, tmp: Path, rng_states: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -184,22 +192,6 @@ def _write_training_state(engine: Engine, tmp: Path, rng_states: Sequence[dict[s
     for stem, rng in zip(rng_file_stems(len(rng_states)), rng_states, strict=True):
         files |= cio.write_bundle(tmp, stem, rng)
     return files
-
-
-def _write_listed(
-    directory: Path, write: Callable[[Path], None], refused: Collection[str] = ()
-) -> dict[str, dict[str, Any]]:
-    """Run ``write(directory)`` and return the manifest entries of the plain files it added.
-
-    A ``refused`` file it added is removed (a base model's config.json in an adapter checkpoint).
-    """
-    before = set(os.listdir(directory))
-    write(directory)
-    added = sorted(set(os.listdir(directory)) - before)
-    for name in [n for n in added if n in refused]:
-        (directory / name).unlink()
-        added.remove(name)
-    return {name: cio.file_entry(directory / name) for name in added if (directory / name).is_file()}
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -357,8 +349,19 @@ class Checkpointing(Plugin):
                 logger.info("deleted %s: save_total_limit=1 keeps only the best checkpoint", path)
 
     def save(self, ev: SaveEvent) -> None:
-        """The SAVE handler: write the checkpoint (main process only; every rank its slices under FSDP) and rotate."""
-        engine = ev.engine
+        """The SAVE handler: write the checkpoint (main process only; every rank its slices under FSDP) and rotate.
+
+        An engine offering ``around_checkpoint_save(write)`` (the facade: a subclass's ``_save_checkpoint``,
+        whose ``super()`` writes) runs the write itself.
+        """
+        around = getattr(ev.engine, "around_checkpoint_save", None)
+        if callable(around):
+            around(partial(self.write, ev.engine))
+        else:
+            self.write(ev.engine)
+
+    def write(self, engine: Engine) -> None:
+        """Write this step's checkpoint now (every rank calls it) and rotate."""
         rng_states = gather_to_main(checkpoint_rng_state(engine))  # every rank's, on rank 0 (all ranks call it)
         final = self.output_dir / f"{PREFIX}{engine.state.global_step}"
         main = rank() == 0 and engine.state.is_world_process_zero

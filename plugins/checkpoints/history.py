@@ -11,10 +11,11 @@ after the last full segment, fewer than ``SEGMENT``, go into ``trainer_state.jso
 A save therefore serialises at most ``SEGMENT - 1`` records and links one file per ``SEGMENT``
 records (measured in ``benchmarks/checkpoint_growth.py``).
 
-``trainer_state.json`` stays transformers' ``TrainerState`` JSON: a run with fewer than ``SEGMENT``
-records (and every checkpoint written before this) has its whole history there; a longer run has
-the newest records there and the older ones in the segments, which ``read_log_history`` puts back
-in front, so a resume gets the history bit for bit.
+``trainer_state.json`` is transformers' ``TrainerState`` JSON, its fields only (``TrainerState.load_from_json``
+reads it); the engine's other fields are ``trainbus_state.json``'s (a checkpoint written before that split
+has them all in ``trainer_state.json``, and is read as before). A run with fewer than ``SEGMENT`` records
+has its whole history there; a longer run has the newest records there and the older ones in the
+segments, which ``read_log_history`` puts back in front, so a resume gets the history bit for bit.
 
 A segment is reused only while the records it was written from are the same objects (the first and
 last of the segment, held by the cache) at the same places in ``log_history``: the history is
@@ -45,6 +46,16 @@ from . import verified
 from .safety import DamagedCheckpoint, check_parse_cost, damaged, parse_cost, plain_name
 
 SEGMENT = 256
+#: transformers' ``TrainerState`` fields (4.57 to 5.24): ``trainer_state.json`` holds these and only these, so
+#: ``TrainerState.load_from_json`` reads it; the engine's other State fields are ``trainbus_state.json``'s
+HF_STATE_FIELDS = frozenset({
+    "epoch", "global_step", "max_steps", "logging_steps", "eval_steps", "save_steps", "train_batch_size",
+    "num_train_epochs", "num_input_tokens_seen", "total_flos", "log_history", "best_metric", "best_global_step",
+    "best_model_checkpoint", "is_local_process_zero", "is_world_process_zero", "is_hyper_param_search", "trial_name",
+    "trial_params", "stateful_callbacks",
+})  # fmt: skip
+OWN_STATE = "trainbus_state.json"
+OWN_FORMAT = "trainbus-state"
 FORMAT = "trainbus-log-history"
 MANIFEST_KEY = "log_history_segments"
 logger = logging.getLogger("trainbus.checkpoint")
@@ -98,11 +109,35 @@ def write_trainer_state(
         files[name] = entry
         segments.append(_Segment(name, entry, final / name, stamp, first, last))
     tail = history[full * SEGMENT :]
-    text = state.to_json() if full == 0 else dataclasses.replace(state, log_history=tail).to_json()
-    files["trainer_state.json"] = cio.write_text(tmp / "trainer_state.json", text)
+    hf_fields, own_fields = split_state(state, tail)
+    files["trainer_state.json"] = cio.write_text(tmp / "trainer_state.json", hf_fields)
+    files[OWN_STATE] = cio.write_text(tmp / OWN_STATE, own_fields)
     _CACHE[key] = segments
     listed = {MANIFEST_KEY: [s.name for s in segments]} if segments else {}
     return files, listed, linked
+
+
+def split_state(state: State, log_history: list[dict[str, Any]] | None = None) -> tuple[str, str]:
+    """``trainer_state.json``'s text (transformers' ``TrainerState`` fields only, as its ``save_to_json`` writes
+    them, non-finite floats tagged: strict JSON) and ``trainbus_state.json``'s (the engine's other fields)."""
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(State)}  # a subclass's view: every field
+    if log_history is not None:
+        fields["log_history"] = log_history
+    hf = {k: v for k, v in fields.items() if k in HF_STATE_FIELDS}
+    own = {k: v for k, v in fields.items() if k not in HF_STATE_FIELDS}
+    hf_text = json.dumps(_tag(hf), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    own_text = json.dumps({"format": OWN_FORMAT, "state": _tag(own)}, indent=1, sort_keys=True, allow_nan=False)
+    return hf_text, own_text
+
+
+def join_state(hf: dict[str, Any], own_document: Any, path: Path) -> dict[str, Any]:
+    """The engine State's fields from ``trainer_state.json``'s object and ``trainbus_state.json``'s document."""
+    if not isinstance(own_document, dict) or own_document.get("format") != OWN_FORMAT:
+        raise DamagedCheckpoint(f"checkpoint file {path} is not a {OWN_FORMAT} file")
+    own = own_document.get("state")
+    if not isinstance(own, dict) or set(own) & HF_STATE_FIELDS:
+        raise DamagedCheckpoint(f"checkpoint file {path} does not hold the engine's own state fields")
+    return {**{k: v for k, v in hf.items() if k in HF_STATE_FIELDS}, **untag(own)}
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int]:

@@ -39,6 +39,7 @@ from ..distributed.processes import broadcast_from_main, rank
 from . import verified
 from .directory import PREFIX, finish_set_aside
 from .lock import OutputDirLock, hold_output_dir, lock_on_main, start_fresh, starts_a_run
+from .model_part import weights_file
 from .reading import read_trainer_state
 
 logger = logging.getLogger("trainbus.checkpoint")
@@ -121,10 +122,11 @@ def holds_state(checkpoint: Path, engine: Engine) -> bool:
         return False
     try:
         saved = read_trainer_state(checkpoint)
+        weights = weights_file(verified.read_manifest(checkpoint, verify=False), checkpoint)
     except (ConfigError, OSError, ValueError) as exc:
         logger.info("%s does not read as a trainer state (%s): not this run's checkpoint", checkpoint, exc)
         return False
-    return _lineage(saved) == _lineage(engine.state) and _same_weights(checkpoint / "model.safetensors", engine)
+    return _lineage(saved) == _lineage(engine.state) and _same_weights(checkpoint / weights, engine)
 
 
 def _same_weights(file: Path, engine: Engine, count: int = 4) -> bool:

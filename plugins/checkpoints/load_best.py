@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from ..distributed.processes import broadcast_from_main, rank
 from . import io as cio
 from .best_schedule import check_best_schedule
 from .frozen import check_base
+from .model_part import weights_file
 from .restored import BEST_NAME
 from .resuming import verify_best_weights
 from .rotation import warn
@@ -48,11 +50,20 @@ class LoadBestModelAtEnd(Plugin):
         return check_best_schedule(composition.plugins, composition.scheduled)
 
     def load(self, ev: Payload) -> None:
-        engine = ev.engine
+        """TRAIN_END: the best weights; an engine offering ``around_best_model(load)`` (the facade: a subclass's
+        ``_load_best_model``, whose ``super()`` loads) runs the load itself when there is a best checkpoint."""
+        around = getattr(ev.engine, "around_best_model", None)
+        if callable(around) and ev.engine.state.best_model_checkpoint is not None:
+            around(partial(self.load_best, ev.engine))
+        else:
+            self.load_best(ev.engine)
+
+    def load_best(self, engine: Engine) -> Any:
+        """Load the best checkpoint's weights (or warn and keep the run's); what ``load_state_dict`` returned."""
         best = engine.state.best_model_checkpoint
         if best is None:
             logger.warning("LoadBestModelAtEnd: no best checkpoint was recorded; keeping the last weights")
-            return
+            return None
         directory = Path(best)
         problem = None
         manifest: dict[str, Any] = {}
@@ -62,9 +73,10 @@ class LoadBestModelAtEnd(Plugin):
             except DamagedCheckpoint as exc:
                 problem = str(exc)
         problem = broadcast_from_main(problem)
+        result = None
         if problem is None:
             try:
-                _load_best(engine.model, directory, manifest)
+                result = _load_best(engine.model, directory, manifest)
             except ConfigError as exc:  # nothing was copied: the weights are checked against the model first
                 problem = str(exc)
         if problem is not None:
@@ -72,8 +84,9 @@ class LoadBestModelAtEnd(Plugin):
                 f"LoadBestModelAtEnd: the best checkpoint {best} cannot be loaded ({problem}); "
                 "keeping the run's own weights"
             )
-            return
+            return None
         logger.info("loaded the best model from %s (step %s)", best, engine.state.best_global_step)
+        return result
 
 
 def _checked(directory: Path) -> dict[str, Any]:
@@ -88,12 +101,17 @@ def _checked(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def _load_best(model: torch.nn.Module, directory: Path, manifest: dict[str, Any]) -> None:
+def load_checkpoint_weights(model: torch.nn.Module, directory: Path) -> Any:
+    """The weights of a checkpoint (its resume weights, or every rank's slices) checked, then loaded into ``model``."""
+    return _load_best(model, directory, verify_best_weights(directory))
+
+
+def _load_best(model: torch.nn.Module, directory: Path, manifest: dict[str, Any]) -> Any:
     """The weights of a checkpoint that rank 0 has just verified (``manifest`` read there; {} elsewhere)."""
     manifest = manifest or read_manifest(directory, verify=False)
     if SHARDED in manifest:  # FSDP: every rank loads its own slices
         load_model_shards(model, directory, verify=False)
-        return
-    weights = directory / "model.safetensors"
+        return None
+    weights = directory / weights_file(manifest, directory / cio.MANIFEST)
     frozen = check_base(model, manifest.get("frozen_base"), str(directory))
-    cio.load_weights(model, cio.read_tensors(weights), str(weights), may_lack=frozen)
+    return cio.load_weights(model, cio.read_tensors(weights), str(weights), may_lack=frozen)

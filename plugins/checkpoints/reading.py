@@ -21,7 +21,8 @@ from ..optimization.optimizer_fit import check_optimizer_fits
 from . import io as cio
 from . import verified
 from .frozen import check_base
-from .history import read_log_history, untag
+from .history import OWN_STATE, join_state, read_log_history, untag
+from .model_part import weights_file
 from .restored import check_rng_states, check_state_fields, trusted_best
 from .safety import DamagedCheckpoint, damaged
 from .sharded import SHARDED, load_shards, world_size_error
@@ -93,9 +94,9 @@ def read_checkpoint(path: str | Path, *, verify: bool = True, model: torch.nn.Mo
         check_rng_states(rng, directory / f"{stem}.json")
         weights = optimizer = None
         if not sharded:
-            weights = files.tensors("model.safetensors")
+            weights = files.tensors(weights_file(manifest, directory / cio.MANIFEST))
             if model is not None:
-                check_dtypes(model, weights, str(directory / "model.safetensors"))
+                check_dtypes(model, weights, str(directory / weights_file(manifest, directory / cio.MANIFEST)))
             optimizer = files.bundle("optimizer")
             if not isinstance(optimizer, dict):
                 raise DamagedCheckpoint(f"checkpoint file {directory / 'optimizer.json'} does not hold a state dict")
@@ -129,7 +130,11 @@ def _trainer_state(files: verified.CheckedFiles, manifest: dict[str, Any]) -> St
     try:
         if not isinstance(value, dict):
             raise TypeError(f"it holds {type(value).__name__}, not an object")
-        state = State.from_dict(untag(value) if b'"__float__"' in data else value)  # as State.from_json
+        value = untag(value) if b'"__float__"' in data else value  # as State.from_json
+        if OWN_STATE in files.files:  # the engine's own fields (a checkpoint before the split has them in value)
+            own_path = files.directory / OWN_STATE
+            value = join_state(value, cio.parse_json(files.read_bytes(OWN_STATE), own_path), own_path)
+        state = State.from_dict(value)
     except Exception as exc:
         raise DamagedCheckpoint(f"checkpoint file {path} is not a valid trainer state: {exc}") from exc
     check_state_fields(vars(state), path, manifest)  # types, ranges, agreement (restored.py)
@@ -156,10 +161,17 @@ def apply_checkpoint(engine: Engine, loaded: Loaded, *, verify: bool = True) -> 
     if loaded.sharded:
         load_shards(engine, directory, verify=verify)
     elif loaded.weights is not None:
-        where = str(directory / "model.safetensors")
-        frozen = check_base(engine.model, loaded.manifest.get("frozen_base"), str(directory))
-        cio.load_weights(engine.model, loaded.weights, where, may_lack=frozen)
-        loaded.weights = None  # views of the mapped file: unmapped now
+        weights = loaded.weights
+
+        def apply_weights() -> Any:
+            where = str(directory / weights_file(loaded.manifest, directory / cio.MANIFEST))
+            frozen = check_base(engine.model, loaded.manifest.get("frozen_base"), str(directory))
+            return cio.load_weights(engine.model, weights, where, may_lack=frozen)
+
+        # the facade: a subclass's _load_from_checkpoint runs, its super() applying the verified weights
+        around = getattr(engine, "around_checkpoint_weights", None)
+        around(directory, apply_weights) if callable(around) else apply_weights()
+        loaded.weights = weights = None  # views of the mapped file: unmapped now
         check_optimizer_fits(engine.optimizer, loaded.optimizer, directory)  # SGD from AdamW: say so, not KeyError
         try:
             engine.optimizer.load_state_dict(loaded.optimizer)

@@ -30,6 +30,7 @@ from ..distributed.processes import broadcast_from_main, rank
 from . import io as cio
 from . import verified
 from .directory import PREVIOUS_RUNS, checkpoint_dirs, finish_set_aside, latest_checkpoint, previous_runs, tidy
+from .model_part import weights_file
 from .reading import Loaded, apply_checkpoint, load_checkpoint, read_checkpoint, rng_file_stems
 from .safety import DamagedCheckpoint, damaged, real_directory
 from .sharded import SHARDED
@@ -224,7 +225,7 @@ def verify_best_weights(directory: Path) -> dict[str, Any]:
             names = [name for name in manifest["files"] if name.startswith(("model-", "shards", "zero-"))]
             names = names or [model_file(0)]
         else:
-            names = ["model.safetensors"]
+            names = [weights_file(manifest, directory / cio.MANIFEST)]
         verified.verify_listed(directory, manifest, names)
     except Exception as exc:
         raise damaged(directory, exc) from exc

@@ -22,8 +22,10 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
+from torch.nn.modules.module import _IncompatibleKeys
 
 from trainbus.engine import ConfigError
 
@@ -68,18 +70,23 @@ def state_to_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_weights(
     model: torch.nn.Module, state: Mapping[str, torch.Tensor], where: str, may_lack: Iterable[str] = ()
-) -> None:
+) -> Any:
     """Copy ``state`` into ``model``; keys missing only because they are tied to a loaded one are fine.
 
     ``may_lack`` names keys a checkpoint leaves out on purpose (a verified frozen base's parameters).
-    Raises ConfigError naming ``where`` on unexpected or missing keys or shape mismatches.
+    Raises ConfigError naming ``where`` on unexpected or missing keys or shape mismatches. A model with a
+    ``load_state_dict`` of its own gets it called, ``load_state_dict(state, False)`` as transformers calls it,
+    and it decides what fits (only dtypes are checked first).
+    Returns what ``load_state_dict`` returns (missing and unexpected keys): the tied keys the state left out.
     """
     own = model.state_dict(keep_vars=True)  # names and storages: no detached copies needed
+    if type(model).load_state_dict is not torch.nn.Module.load_state_dict:
+        return _own_loading(model, state, where)
     unexpected = sorted(set(state) - set(own))
     if unexpected:
         raise ConfigError(f"{where} has weights the model lacks: {unexpected[:10]}")
+    may_lack = set(may_lack)
     if len(state) < len(own):  # some not loaded: each must be tied to a loaded one, or may be lacking
-        may_lack = set(may_lack)
         loaded_ptrs = {(own[k].device, own[k].data_ptr()) for k in state if own[k].data_ptr() != 0}
         missing = [
             k
@@ -97,9 +104,19 @@ def load_weights(
         with torch.no_grad():
             for key, tensor in state.items():
                 own[key].copy_(tensor)
-        return
+        return _IncompatibleKeys([k for k in own if k not in state and k not in may_lack], [])
     try:
-        model.load_state_dict(dict(state), strict=False)
+        return model.load_state_dict(dict(state), False)
+    except RuntimeError as exc:
+        raise ConfigError(f"{where} does not fit the model: {exc}") from exc
+
+
+def _own_loading(model: torch.nn.Module, state: Mapping[str, torch.Tensor], where: str) -> Any:
+    """A model with a ``load_state_dict`` of its own decides what fits (a buffer it resizes, keys it renames):
+    it gets the state as transformers' Trainer gives it, ``load_state_dict(state, False)``; dtypes are checked."""
+    check_dtypes(model, state, where)
+    try:
+        return model.load_state_dict(dict(state), False)
     except RuntimeError as exc:
         raise ConfigError(f"{where} does not fit the model: {exc}") from exc
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoints.frozen import adapter_model
 from .loss_protocol import unwrap_model
 
 TRAINING_ARGS = "training_args.json"
@@ -95,14 +96,29 @@ def applies_use_cache() -> bool:
 
 
 def checkpoint_extras(trainer: Any) -> Any:
-    """``fn(directory)`` writing a checkpoint's model-folder files, for the Checkpointing plugin."""
+    """``fn(directory)`` writing a checkpoint's model-folder files, for the Checkpointing plugin.
+
+    When the Trainer's class overrides ``save_model`` or ``_save`` it writes the whole model part instead
+    (``fn.saves_model``): ``save_model(directory, _internal_call=True)``, as transformers' checkpoint calls it.
+    """
 
     def write(directory: Path) -> None:
-        write_config_files(trainer.model, directory)
-        write_processing_files(processing_class_to_save(trainer), directory)
-        write_training_args(trainer.args, directory)
+        if saves_model:
+            trainer.save_model(str(directory), _internal_call=True)
+        else:
+            write_folder_files(trainer, directory)
 
+    saves_model = trainer.overrides("save_model") or trainer.overrides("_save")
+    write.saves_model = saves_model  # type: ignore[attr-defined]
     return write
+
+
+def write_folder_files(trainer: Any, directory: Path) -> None:
+    """config.json (not an adapter model's: it would load a random base), the processing files, training_args.json."""
+    if adapter_model(trainer.model) is None:
+        write_config_files(trainer.model, directory)
+    write_processing_files(processing_class_to_save(trainer), directory)
+    write_training_args(trainer.args, directory)
 
 
 def processing_class_to_save(trainer: Any) -> Any:

@@ -1,4 +1,5 @@
-"""``Trainer.save_model``: the final model folder, with the weights the plugins say to save.
+"""``Trainer.save_model`` and ``_save``: the final model folder, with the weights the plugins say to save, and a
+checkpoint's model folder when a subclass overrides either (``checkpoint_methods.py``).
 
 The save-model protocol: a plugin may offer ``weights_to_save(engine) -> context manager | None``;
 ``save_model`` enters every context offered (in attach order) around writing the weights, so a
@@ -12,15 +13,18 @@ transformers' ``Trainer._save`` takes them (``processing_class_to_save``).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..checkpoints import checkpoint as ckpt
+from ..checkpoints import io as cio
+from ..checkpoints.model_part import WEIGHTS, ModelPart, active_part
 from ..checkpoints.sharded import saved_by_every_rank
 from ..checkpoints.sharded_save import save_full_model
 from ..distributed.processes import barrier
-from .model_card import write_model_card
-from .model_folder import processing_class_to_save, write_processing_files, write_training_args
+from .loss_protocol import unwrap_model
+from .model_folder import processing_class_to_save, write_folder_files, write_processing_files, write_training_args
 
 
 def weights_to_save(engine: Any) -> contextlib.ExitStack[Any]:
@@ -39,20 +43,49 @@ def weights_to_save(engine: Any) -> contextlib.ExitStack[Any]:
 
 
 def save_model(trainer: Any, output_dir: str | None = None) -> None:
-    """HF's ``save_model``: a loadable model (``save_pretrained`` for HF models), its processing files,
-    training_args.json and model card in ``output_dir``; the main process writes, every rank returns
-    once the model is on disk."""
+    """HF's ``save_model``: ``trainer._save(output_dir)`` (a loadable model, its processing files and
+    training_args.json; a sharded model gathered first); the main process writes, every rank returns once
+    the model is on disk. Into a checkpoint being written (``_internal_call``): its model part, on the main
+    process only. Like transformers', it writes no model card (``create_model_card`` does)."""
     args = trainer.args
     directory = output_dir or args.output_dir
+    if active_part(directory) is not None:  # the checkpoint's model folder: the main process alone writes it
+        trainer._save(directory)
+        return
     try:
         if saved_by_every_rank(trainer.model):  # FSDP / ZeRO-3: every rank sends its part, the main one writes
             save_full_model(trainer.model, directory, write=args.should_save)
-        elif args.should_save:
-            with weights_to_save(trainer):
-                ckpt.save_model(trainer.model, directory)
-        if args.should_save:
-            write_processing_files(processing_class_to_save(trainer), Path(directory))
-            write_training_args(args, Path(directory))  # HF's training_args.bin, as JSON
-            write_model_card(trainer, output_dir)  # README.md next to the model (peft's metadata kept)
+            if args.should_save:
+                write_processing_files(processing_class_to_save(trainer), Path(directory))
+                write_training_args(args, Path(directory))  # HF's training_args.bin, as JSON
+        else:
+            trainer._save(directory)
     finally:
         barrier()
+
+
+def save_to_folder(trainer: Any, directory: str | Path, state_dict: Mapping[str, Any] | None) -> None:
+    """HF's ``_save`` outside a checkpoint: the model (``state_dict`` where given; the plugins' weights to
+    save otherwise), its processing files and the training arguments, from the main process."""
+    args = trainer.args
+    if not args.should_save:
+        return
+    with weights_to_save(trainer):
+        ckpt.save_model(trainer.model, directory, state_dict=state_dict)
+    write_processing_files(processing_class_to_save(trainer), Path(directory))
+    write_training_args(args, Path(directory))  # HF's training_args.bin, as JSON
+
+
+def save_into_checkpoint(trainer: Any, part: ModelPart, state_dict: Mapping[str, Any] | None) -> None:
+    """HF's ``_save`` into a checkpoint being written: trainbus's weights (which the resume reads), or the
+    ``state_dict`` an override gives (then the resume reads trainbus's own copy: ``model_part.py``), and the
+    model folder's files."""
+    if state_dict is None:
+        part.write_weights()
+    else:
+        model = unwrap_model(trainer.model)
+        if callable(getattr(model, "save_pretrained", None)):  # as transformers' _save: the model's own, those tensors
+            ckpt.save_model(model, part.directory, state_dict=state_dict)
+        else:
+            cio.write_tensors(part.directory / WEIGHTS, state_dict)
+    write_folder_files(trainer, part.directory)

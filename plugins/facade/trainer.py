@@ -37,6 +37,7 @@ from ..observability.tracker_base import TrackerSink
 from ..optimization.schedulers import LRScheduler
 from .arguments import TrainingArguments
 from .callbacks import CallbackAdapter
+from .checkpoint_methods import TrainerCheckpointing
 from .composition import (
     TrainOutput,
     args_snapshot,
@@ -61,7 +62,9 @@ from .trainer_checks import check_eval_set, check_model, check_train_kwargs, che
 from .utilities import TrainerUtilities
 
 
-class Trainer(TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities, Engine):
+class Trainer(
+    TrainerCheckpointing, TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities, Engine
+):
     """HF's ``Trainer`` API over a trainbus Engine; every feature is a plugin chosen from ``args``.
 
     Args mirror ``transformers.Trainer``. ``callbacks`` may mix HF-style callbacks (instances or

@@ -111,11 +111,6 @@ RESUME_CASES = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainbus's trainer.state is its engine State: dataclasses.asdict gives event_counts, which count "
-    "TRAIN_START / EPOCH_START again after a resume (NOTES.md, finding for lead)",
-)
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_whole_state_after_resume__mirrors_test_can_resume_training(tmp_path, case):
     """Also test_resume_training_with_gradient_accumulation: the resumed run's whole TrainerState is the
@@ -139,11 +134,6 @@ def test_whole_state_after_resume__mirrors_test_can_resume_training(tmp_path, ca
     assert tb == hf
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainbus's trainer_state.json holds engine fields (batches_in_epoch, event_counts, ...) that "
-    "TrainerState(**json) refuses (NOTES.md, finding for helper-ckpt / lead, issue 34 item 3)",
-)
 def test_trainer_state_json_read_by_transformers__mirrors_test_resume_training_with_different_batch_size(tmp_path):
     """The first half: transformers' TrainerState.load_from_json reads the checkpoint's trainer_state.json."""
     from transformers import TrainerState
@@ -292,11 +282,6 @@ class _OrderRecorder(torch.nn.Module):
         return {"loss": loss, "logits": logits}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainbus refuses the saved buffer's other shape before the model's own load_state_dict can take it "
-    "(plugins/checkpoints/weights.py; NOTES.md, finding for helper-ckpt, issue 34 item 3)",
-)
 def test_batch_order_after_resume__mirrors_test_resume_batch_order(tmp_path):
     """Resumed from checkpoint-6 (inside the second epoch), the run sees the uninterrupted run's batches."""
 
