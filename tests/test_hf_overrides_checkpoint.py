@@ -300,3 +300,29 @@ def test_save_model_writes_no_model_card_as_transformers(tmp_path: Path) -> None
     hf, tb = run_both(job, tmp_path)
     assert "README.md" not in hf and "README.md" not in tb, (hf, tb)
     assert {"model.safetensors", "config.json"} <= hf & tb
+
+
+def lora_job(impl: Impl, out: Path, resume: str | None = None) -> Any:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)  # fmt: skip
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(1))
+    args = impl.args(out, per_device_train_batch_size=4, **STEPS)
+    trainer = impl.Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_an_adapter_checkpoint_holds_no_model_safetensors_and_resumes_exactly(tmp_path: Path) -> None:
+    hf, tb = run_both(lora_job, tmp_path)
+    for name in ("checkpoint-2", "checkpoint-4"):
+        for impl in ("transformers", "trainbus"):
+            files = set(os.listdir(tmp_path / impl / name))
+            assert "adapter_model.safetensors" in files and "model.safetensors" not in files, (impl, files)
+    resumed = lora_job(Impl_trainbus(), tmp_path / "trainbus", str(tmp_path / "trainbus" / "checkpoint-2"))
+    assert_same_weights(tb.model, resumed.model, rtol=0, atol=0)
+    assert_same_weights(hf.model, tb.model)
