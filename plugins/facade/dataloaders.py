@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from trainbus.engine import ConfigError
 
@@ -75,7 +75,9 @@ class TrainerData:
     def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool, ahead: bool = False) -> Any:
         args = self.args
         seed = args.data_seed if args.data_seed is not None else args.seed
-        sampler = None if shuffle else eval_sampler(dataset, str(args.train_sampling_strategy))  # 4.x's draw
+        sampler = None
+        if not shuffle and not isinstance(dataset, IterableDataset | DataLoader):  # HF asks _get_eval_sampler
+            sampler = self._get_eval_sampler(dataset)  # a subclass's override too
         if shuffle:  # HF's loader asks _get_train_sampler (a subclass's too); lengths read before columns go
             takes_dataset = bool(inspect.signature(self._get_train_sampler).parameters)  # older overrides: none
             sampler = self._get_train_sampler(dataset) if takes_dataset else self._get_train_sampler()
@@ -109,6 +111,16 @@ class TrainerData:
             length_column_name=args.length_column_name,
             model_input_name=main_input_name_of(self.processing_class),
         )
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> Any:
+        """HF's: an eval / test set's sampler: its order (``SequentialSampler``) in one process, None under several
+        (the Distributed plugin shards it); a 4.x / 5.0 length-grouped draw with ``group_by_length``."""
+        if eval_dataset is None or not hasattr(eval_dataset, "__len__"):
+            return None
+        grouped = eval_sampler(eval_dataset, str(self.args.train_sampling_strategy))  # 4.x's draw
+        if grouped is not None:
+            return grouped
+        return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None
 
     def get_train_dataloader(self) -> Any:
         if self.train_dataset is None:

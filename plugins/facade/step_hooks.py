@@ -17,7 +17,7 @@ import torch
 
 from trainbus.engine import Event, LogEvent, Priority, StepStartEvent
 from trainbus.hooks import forward as default_forward
-from trainbus.hooks import get_labels
+from trainbus.hooks import get_labels, to_device
 
 from ..distributed.processes import all_reduce_sum, collective_device, world_size
 from ..evaluation.collector import hf_prediction_step
@@ -71,6 +71,12 @@ class TrainerStepHooks:
         elif self.model_accepts_loss_kwargs:
             self.set_hook("forward", self._forward_with_loss_kwargs)
         self.set_hook("prediction_step", self._prediction_step_hook)
+        if self.overrides("_prepare_inputs") or self.overrides("_prepare_input"):
+            # HF moves each training and evaluation batch with self._prepare_inputs (training_step, prediction_step)
+            self.set_hook("to_device", lambda batch, device: self._prepare_inputs(batch))
+        if self.overrides("compute_loss_context_manager") or self.overrides("autocast_smart_context_manager"):
+            # HF runs each micro-batch's compute_loss, and each evaluation batch's forward, in this context
+            self.wrap_hook("forward", self._in_loss_context)  # type: ignore[attr-defined]
         # before GradientAccumulation weighs the window (PRODUCER): whether its loss comes back normalised
         self.on(Event.TRAIN_START, self._plan_protocol, name="Trainer.loss_protocol")
         if self.overrides("training_step") or self.overrides("_get_num_items_in_batch"):
@@ -114,7 +120,7 @@ class TrainerStepHooks:
             if self._model_divides is None:
                 measured = None
                 for batch in ev.batches:  # the first micro-batch with items tells
-                    moved = self.hooks.to_device(batch, self.device)
+                    moved = to_device(batch, self.device)  # not a _prepare_inputs override: no extra call
                     measured = divides_by_items(self.model, moved, self._count_items(moved))
                     if measured is not None:
                         break
@@ -144,6 +150,24 @@ class TrainerStepHooks:
             items = all_reduce_sum(items.to(collective_device()))
         return items.to(device) if device is not None else items
 
+    def _in_loss_context(self, forward: Any) -> Any:
+        def forward_in_context(model: torch.nn.Module, batch: Any) -> Any:
+            with self.compute_loss_context_manager():  # type: ignore[attr-defined]
+                return forward(model, batch)
+
+        return forward_in_context
+
+    _eval_num_items: Any = None
+    _eval_wants_loss = False
+
+    def _eval_counts_items(self) -> bool:
+        """Whether an evaluation batch's count reaches user code (else it would only cost a kernel per batch)."""
+        return (
+            self.overrides("_get_num_items_in_batch")
+            or self.overrides("compute_loss")
+            or self.compute_loss_func is not None
+        )
+
     def _window_started(self, ev: StepStartEvent) -> None:
         self.current_gradient_accumulation_steps = len(ev.batches)
 
@@ -156,22 +180,23 @@ class TrainerStepHooks:
         self.log(logs, None)
 
     def _forward_compute_loss(self, model: torch.nn.Module, batch: Any) -> Any:
-        if not model.training and get_labels(batch, tuple(self.label_names)) is None:
+        if not model.training and get_labels(batch, tuple(self.label_names)) is None and not self._eval_wants_loss:
             return default_forward(model, batch)  # HF's prediction_step: no labels, no compute_loss
-        items = self._num_items_in_batch(batch) if model.training else None
+        items = self._num_items_in_batch(batch) if model.training else self._eval_num_items
         result = self.compute_loss(model, batch, return_outputs=True, num_items_in_batch=items)
         loss, outputs = result if isinstance(result, tuple) else (result, None)
         return _Computed(loss, outputs)
 
     def _forward_with_loss_kwargs(self, model: torch.nn.Module, batch: Any) -> Any:
-        """HF's call: a training forward with labels also gets ``num_items_in_batch`` (the window's items).
+        """HF's call: a training forward with labels also gets ``num_items_in_batch`` (the window's items; in
+        evaluation the batch's, where ``_get_num_items_in_batch`` counted it for user code).
 
         Passed where the accumulation plugin counted the window (on the host, before the batch moved):
         a window of one micro-batch in one process needs no count, the model's own mean is that loss,
         and counting the batch here would add kernels on its device to every step.
         """
-        items = self.step_outputs.get("num_items_in_batch")
-        if items is not None and model.training and counted_by_transformers(batch):
+        items = self.step_outputs.get("num_items_in_batch") if model.training else self._eval_num_items
+        if items is not None and counted_by_transformers(batch):
             return model(**batch, num_items_in_batch=items)
         return default_forward(model, batch)
 
@@ -252,6 +277,14 @@ class TrainerStepHooks:
     ) -> tuple[Any, Any, Any]:
         """(loss, logits, labels) for one batch; logits are every model output but the loss (HF)."""
         computed: dict[str, Any] = {}
+        names = tuple(self.label_names)
+        has_labels = bool(names) and isinstance(inputs, Mapping) and all(inputs.get(k) is not None for k in names)
+        asked = inputs.get("return_loss") if isinstance(inputs, Mapping) else None
+        self._eval_wants_loss = not names and bool(getattr(self, "can_return_loss", False) if asked is None else asked)
+        self._eval_num_items = None
+        if (has_labels or self._eval_wants_loss) and self._eval_counts_items():
+            # HF counts the batch's items and hands them to compute_loss (a subclass's count, a compute_loss_func)
+            self._eval_num_items = self._get_num_items_in_batch([inputs], self.device)
 
         def forward(m: torch.nn.Module, b: Any) -> Any:
             out = self.hooks.forward(m, b)

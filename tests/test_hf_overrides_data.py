@@ -1,0 +1,129 @@
+"""Overrides of transformers' data and step internals run where transformers runs them (issue 34 item 2).
+
+Each subclass changes what the method returns (or records what it is given) and runs under transformers.Trainer
+and trainbus.plugins.Trainer: the calls, the logged losses (rtol 1e-5), the metrics and the weights agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.differential.hf_diff import (
+    AlmostAccuracy,
+    RegressionData,
+    RegressionModel,
+    assert_same_arrays,
+    assert_same_logs,
+    assert_same_metrics,
+    assert_same_weights,
+    run_both,
+)
+
+
+class SummedLoss(RegressionModel):
+    """A forward that takes loss kwargs and divides its summed loss by ``num_items_in_batch`` (as GPT-2 does)."""
+
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        y = input_x * self.a + self.b
+        if labels is None:
+            return (y,)
+        items = kwargs.get("num_items_in_batch")
+        squared = (y - labels) ** 2
+        return (squared.sum() / items if items is not None else squared.mean(), y)
+
+
+def _args(impl: Any, workdir: Path, **more: Any) -> Any:
+    base = {"per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "max_steps": 4, "logging_steps": 1,
+            "gradient_accumulation_steps": 2, "save_strategy": "no", "eval_strategy": "steps", "eval_steps": 2,
+            "learning_rate": 0.1, "train_sampling_strategy": "sequential"}  # fmt: skip
+    return impl.args(workdir, **{**base, **more})
+
+
+def _compare(hf: Any, tb: Any) -> None:
+    (hf_trainer, hf_pred), (tb_trainer, tb_pred) = hf, tb
+    assert_same_logs(hf_trainer.state.log_history, tb_trainer.state.log_history)
+    assert_same_weights(hf_trainer.model, tb_trainer.model)
+    assert_same_metrics(hf_pred.metrics, tb_pred.metrics)
+    assert_same_arrays(hf_pred.predictions, tb_pred.predictions)
+    assert hf_trainer.seen == tb_trainer.seen
+
+
+def _run(impl: Any, workdir: Path, methods: dict[str, Any], model: Any = None, **more: Any) -> Any:
+    subclass = type("Sub", (impl.Trainer,), methods)
+    trainer = subclass(model=model if model is not None else SummedLoss(), args=_args(impl, workdir, **more),
+                       train_dataset=RegressionData(32, seed=1), eval_dataset=RegressionData(12, seed=2),
+                       compute_metrics=AlmostAccuracy())  # fmt: skip
+    trainer.seen = []
+    trainer.train()
+    return trainer, trainer.predict(RegressionData(8, seed=3))
+
+
+def test_a_get_num_items_in_batch_override_is_the_count_the_model_divides_by(tmp_path: Path) -> None:
+    """Counting every label twice halves the loss the model returns: trainbus trains on it, as transformers."""
+
+    def _get_num_items_in_batch(self: Any, batch_samples: list[Any], device: Any) -> Any:
+        items = super(type(self), self)._get_num_items_in_batch(batch_samples, device)
+        self.seen.append((len(batch_samples), None if items is None else int(items)))
+        return None if items is None else items * 2
+
+    hf, tb = run_both(lambda impl, d: _run(impl, d, {"_get_num_items_in_batch": _get_num_items_in_batch}), tmp_path)
+    _compare(hf, tb)
+    assert tb[0].seen[0] == (2, 8)  # the first window: two micro-batches of 4 labels
+    assert (1, 4) in tb[0].seen  # an evaluation batch, counted for compute_loss as transformers counts it
+    # independent: the first step's loss is half the mean squared error of the window's 8 samples
+    data = RegressionData(32, seed=1)
+    assert tb[0].state.log_history[0]["loss"] == pytest.approx(0.5 * float((data.ys[0][:8] ** 2).mean()), rel=1e-6)
+
+
+def test_a_get_eval_sampler_override_orders_evaluation_and_prediction(tmp_path: Path) -> None:
+    def _get_eval_sampler(self: Any, eval_dataset: Any) -> Any:
+        self.seen.append(len(eval_dataset))
+        return list(reversed(range(len(eval_dataset))))  # a sampler is any iterable of indices
+
+    hf, tb = run_both(lambda impl, d: _run(impl, d, {"_get_eval_sampler": _get_eval_sampler}), tmp_path)
+    _compare(hf, tb)
+    model, x = tb[0].model, RegressionData(8, seed=3).x  # independent: the final line, in the reversed order
+    expected = (x * model.a.item() + model.b.item())[::-1]
+    assert_same_arrays(expected, tb[1].predictions, atol=1e-5)
+    assert tb[0].seen[:2] == [12, 12] and tb[0].seen[-1] == 8  # two scheduled evaluations, then predict
+
+
+def test_a_prepare_inputs_override_changes_every_batch(tmp_path: Path) -> None:
+    def _prepare_inputs(self: Any, inputs: Any) -> Any:
+        inputs = super(type(self), self)._prepare_inputs(inputs)
+        self.seen.append(("train" if self.model.training else "eval", len(inputs["labels"])))
+        return {**inputs, "input_x": inputs["input_x"] * 0.5}
+
+    def _prepare_input(self: Any, data: Any) -> Any:
+        self.seen.append("input")
+        return super(type(self), self)._prepare_input(data)
+
+    for methods in ({"_prepare_inputs": _prepare_inputs}, {"_prepare_input": _prepare_input}):
+        hf, tb = run_both(lambda impl, d, m=methods: _run(impl, d, m), tmp_path / next(iter(methods)))
+        _compare(hf, tb)
+        assert tb[0].seen
+
+
+def test_a_compute_loss_context_manager_override_runs_around_every_loss(tmp_path: Path) -> None:
+    def compute_loss_context_manager(self: Any) -> Any:
+        self.seen.append("train" if self.model.training else "eval")
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad() if not self.model.training else contextlib.nullcontext())
+        return stack
+
+    def autocast_smart_context_manager(self: Any, cache_enabled: Any = True) -> Any:
+        self.seen.append("autocast")
+        return contextlib.nullcontext()
+
+    for methods in (
+        {"compute_loss_context_manager": compute_loss_context_manager},
+        {"autocast_smart_context_manager": autocast_smart_context_manager},
+    ):
+        hf, tb = run_both(lambda impl, d, m=methods: _run(impl, d, m), tmp_path / next(iter(methods)))
+        _compare(hf, tb)
+        assert tb[0].seen
