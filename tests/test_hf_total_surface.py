@@ -303,3 +303,12 @@ def test_the_classification_is_in_the_docs() -> None:
     start = doc.index("<!-- generated: python -m trainbus.plugins.facade.hf_names -->\n")
     shown = doc[doc.index("\n", start) + 1 : doc.index("<!-- end generated -->")]
     assert shown == markdown_table(), "docs/hf_surface.md is stale: python -m trainbus.plugins.facade.hf_names"
+
+
+@pytest.mark.parametrize("name", ["save_model", "_save", "_load_from_checkpoint"])
+def test_a_checkpoint_override_under_sharding_is_refused(name: str, tmp_path: Path) -> None:
+    """FSDP writes its sharded checkpoints itself: a checkpoint override would not run there, so it is an error."""
+    subclass = type("ShardedTrainer", (Trainer,), {name: lambda self, *a, **k: None})
+    args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True, max_steps=1, fsdp="full_shard")
+    with pytest.raises(ConfigError, match=f"ShardedTrainer.{name}: with fsdp"):
+        subclass(Regressor(), args, train_dataset=_data(4))

@@ -211,6 +211,29 @@ def check_overrides(cls: type) -> None:
         )
 
 
+#: honoured in one process and under DDP; a sharded checkpoint (FSDP, DeepSpeed ZeRO) is written by its own path
+NOT_UNDER_SHARDING = ("save_model", "_save", "_save_checkpoint", "_load_from_checkpoint", "_load_best_model")
+
+
+def check_sharded_overrides(cls: type, args: Any) -> None:
+    """A checkpoint override with fsdp / deepspeed would not be called (their sharded checkpoints): refused now."""
+    sharded = "fsdp" if getattr(args, "fsdp", None) else "deepspeed" if getattr(args, "deepspeed", None) else None
+    if sharded is None:
+        return
+    overridden = [
+        f"{klass.__qualname__}.{name}"
+        for klass in cls.__mro__
+        if not _is_trainbus_class(klass) and not klass.__module__.startswith("transformers")
+        for name in NOT_UNDER_SHARDING
+        if name in vars(klass)
+    ]
+    if overridden:
+        raise ConfigError(
+            f"{', '.join(overridden)}: with {sharded} trainbus writes and reads sharded checkpoints itself and would "
+            f"not call these overrides; remove them, or train without {sharded} (a callback's on_save can add files)"
+        )
+
+
 def refusing_method(name: str) -> Any:
     """A method that raises the refusal, for a transformers name trainbus's Trainer has no method of."""
 

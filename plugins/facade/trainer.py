@@ -49,7 +49,7 @@ from .composition import (
     set_seed,
 )
 from .dataloaders import TrainerData, pads_batches
-from .hf_names import REFUSED, check_overrides, refusing_method
+from .hf_names import REFUSED, check_overrides, check_sharded_overrides, refusing_method
 from .loss_protocol import accepts_loss_kwargs, default_label_names, item_counter
 from .model_card import write_model_card
 from .model_folder import align_special_tokens, applies_use_cache
@@ -111,6 +111,7 @@ class Trainer(
         if not isinstance(self.args, TrainingArguments):
             raise ConfigError(f"args must be trainbus TrainingArguments, got {type(self.args).__name__}")
         args = self.args
+        check_sharded_overrides(type(self), args)
         check_trainer_arguments(model, model_init, optimizers, optimizer_cls_and_kwargs, data_collator)  # HF's types
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.flo_counter = FloCounter(self.floating_point_ops)  # a subclass's floating_point_ops counts (HF)
