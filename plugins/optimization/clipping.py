@@ -31,9 +31,11 @@ class GradientClipping(Plugin):
     """Clip gradients by total norm (HF ``max_grad_norm``) and, optionally, by value.
 
     Args:
-        max_norm: the largest total gradient norm; 0 or None: no norm clipping (and no grad_norm).
+        max_norm: the largest total gradient norm; 0 or None: no norm clipping.
         clip_value: clamp every gradient element to ``[-clip_value, clip_value]`` first; None: off.
         norm_type: the p of the p-norm (``inf`` for the max norm).
+        norm_when_off: with norm clipping off, still measure the total norm into ``grad_norm`` (transformers
+            logs it with ``max_grad_norm=0``); False: no norm is computed then.
 
     Example:
         >>> import torch
@@ -49,7 +51,13 @@ class GradientClipping(Plugin):
 
     priority = Priority.DEFAULT
 
-    def __init__(self, max_norm: float | None = 1.0, clip_value: float | None = None, norm_type: float = 2.0) -> None:
+    def __init__(
+        self,
+        max_norm: float | None = 1.0,
+        clip_value: float | None = None,
+        norm_type: float = 2.0,
+        norm_when_off: bool = False,
+    ) -> None:
         _check_threshold("max_grad_norm", max_norm)
         _check_threshold("clip_value", clip_value)
         if not (isinstance(norm_type, int | float) and norm_type > 0):
@@ -57,6 +65,9 @@ class GradientClipping(Plugin):
         self.max_norm = max_norm or None
         self.clip_value = clip_value or None
         self.norm_type = float(norm_type)
+        if not isinstance(norm_when_off, bool):
+            raise ConfigError(f"norm_when_off must be True or False, got {norm_when_off!r}")
+        self.norm_when_off = norm_when_off
         self._params: list[torch.nn.Parameter] = []
 
     def attach(self, engine: Engine) -> None:
@@ -82,3 +93,6 @@ class GradientClipping(Plugin):
         if self.max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_norm, self.norm_type, foreach=True)
             ev.engine.step_outputs["grad_norm"] = norm  # computed under no_grad: nothing to detach
+        elif self.norm_when_off:  # transformers' own measure: a clip to inf, whose rescale by 1.0 changes nothing
+            norm = torch.nn.utils.clip_grad_norm_(self._params, math.inf, self.norm_type, foreach=True)
+            ev.engine.step_outputs["grad_norm"] = norm
