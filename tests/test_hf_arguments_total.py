@@ -53,7 +53,8 @@ def test_enable_jit_checkpoint_is_the_stop_checkpoint_on_sigterm(enabled: bool, 
     args = quiet_args(tmp_path, max_steps=1, enable_jit_checkpoint=enabled)
     trainer = Trainer(Regressor(), args, train_dataset=regression_data(4))
     assert args.enable_jit_checkpoint is enabled
-    assert trainer.get_plugin(Preemption) is not None
+    preemption = trainer.get_plugin(Preemption)
+    assert preemption is not None and preemption.return_after_stop is enabled
 
 
 def test_accelerator_config_as_transformers_reads_it(tmp_path: Path) -> None:

@@ -95,6 +95,8 @@ class Preemption(Plugin):
         signals: the signals that request the stop (default SIGTERM and SIGINT).
         resume_hint: how the exit message says to resume (default the Engine's ``resume(engine, True)``;
             the Trainer says ``trainer.train(resume_from_checkpoint=True)``).
+        return_after_stop: after the stop checkpoint, return from ``fit()`` instead of raising
+            ``TrainingInterrupted`` (transformers' ``enable_jit_checkpoint``: the script goes on).
 
     The stop checkpoint is always resumable: a Checkpointing plugin with ``save_only_model=True``
     writes this one whole (it is what the next run resumes from). While the handlers are installed,
@@ -122,6 +124,7 @@ class Preemption(Plugin):
         signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
         *,
         resume_hint: str = ENGINE_RESUME,
+        return_after_stop: bool = False,
     ) -> None:
         if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)):
             raise ConfigError(f"check_every must be a positive int or None, got {check_every!r}")
@@ -130,6 +133,8 @@ class Preemption(Plugin):
         self.check_every = check_every
         self.signals = tuple(signals)
         self.resume_hint = resume_hint
+        #: transformers' enable_jit_checkpoint: after the stop checkpoint, fit() returns (the script goes on)
+        self.return_after_stop = return_after_stop
         self.received: int | None = None  # the signal that asked for the stop (this process)
         self.stopped_at: int | None = None  # the step training stopped at, once it did
         self._previous: dict[int, Any] = {}
@@ -217,6 +222,10 @@ class Preemption(Plugin):
                 self.resume_hint,
                 checkpoint is None or _resumable(checkpoint),
             )
+            if self.return_after_stop:
+                if ev.engine.state.is_world_process_zero:
+                    _say(f"trainbus: {interrupted}; training returns (enable_jit_checkpoint)")
+                return
             if ev.engine.state.is_world_process_zero:
                 _say(f"trainbus: {interrupted}; exiting with status {interrupted.code}")
             raise interrupted

@@ -197,7 +197,12 @@ def _eval_and_save_plugins(trainer: Any, args: TrainingArguments, preprocess_log
         plugins.append(LoadBestModelAtEnd())
     plugins.append(FlowControl.from_args(args))
     # SIGTERM / a first Ctrl-C: checkpoint at the next step, exit 143 / 130; the exit message in the Trainer's words
-    plugins.append(Preemption(resume_hint="trainer.train(resume_from_checkpoint=True)"))
+    # enable_jit_checkpoint (transformers): the same checkpoint, then train() returns, as there
+    plugins.append(
+        Preemption(
+            resume_hint="trainer.train(resume_from_checkpoint=True)", return_after_stop=args.enable_jit_checkpoint
+        )
+    )
     return plugins
 
 

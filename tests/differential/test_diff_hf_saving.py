@@ -117,11 +117,6 @@ def test_collator_tokenizer_saved__mirrors_test_save_collator_tokenizer_by_defau
     assert tb == hf
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainbus refuses enable_jit_checkpoint=True (plugins/facade/argument_checks.py UNSUPPORTED) although "
-    "its Preemption plugin is that checkpoint on SIGTERM (NOTES.md, finding for lead, issue 34 item 1)",
-)
 def test_checkpoint_on_sigterm__mirrors_JITCheckpointTest(tmp_path):
     """enable_jit_checkpoint: a SIGTERM during training ends it early with a complete checkpoint, from which a
     resume ends on the uninterrupted run's weights. transformers waits its kill_wait (3 s) before it saves;
