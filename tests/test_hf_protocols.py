@@ -189,3 +189,26 @@ def test_random_eval_transforms_draw_as_under_transformers(tmp_path: Path) -> No
     assert_same_metrics(hf_pred.metrics, tb_pred.metrics)
     assert_same_arrays(hf_pred.predictions, tb_pred.predictions)
     assert_same_arrays(hf_pred.label_ids, tb_pred.label_ids)
+
+
+# -- an eval batch's loss stands for the dataset rows the loader put in it --------------------------------------
+def packed_collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """A padding-free collator: the batch's rows side by side in one row (its first dimension is 1)."""
+    return {k: torch.tensor([[float(r[k]) for r in rows]]) for k in ("input_x", "labels")}
+
+
+def test_packed_eval_batches_weigh_their_rows_as_under_transformers(tmp_path: Path) -> None:
+    """8 rows in batches of 3, 3, 2, each packed into one row: transformers weighs the batch means 3, 3, 2 (its
+    eval_batch_size copies, the last cut to the rows left); trainbus weighed them 1, 1, 1 (their first dimension)."""
+    data = RegressionData(8, seed=4)
+
+    def scenario(impl: Any, workdir: Path) -> Any:
+        args = impl.args(workdir, per_device_eval_batch_size=3, report_to="none")
+        trainer = impl.Trainer(model=RegressionModel(a=1.0), args=args, data_collator=packed_collate)
+        return trainer.evaluate(data), trainer.predict(data).metrics
+
+    (hf_eval, hf_test), (tb_eval, tb_test) = run_both(scenario, tmp_path)
+    assert_same_metrics(hf_eval, tb_eval)
+    assert_same_metrics(hf_test, tb_test)
+    means = [float(((data.x[i : i + 3] - data.ys[0][i : i + 3]) ** 2).mean()) for i in (0, 3, 6)]
+    assert tb_eval["eval_loss"] == pytest.approx((3 * means[0] + 3 * means[1] + 2 * means[2]) / 8, rel=1e-6)

@@ -50,7 +50,9 @@ from .predictions import (
     MetricsFn,
     PredictionOutput,
     PreprocessFn,
+    batch_rows,
     hf_prediction_step,
+    loader_rows,
     metric_number,
     prefix_metrics,
 )
@@ -90,6 +92,7 @@ class _Pass:
     samples: int = 0  # local samples seen (for the shard offset)
     loss_sum: torch.Tensor | None = None  # on device; single-process loss only
     loss_count: int = 0
+    rows: tuple[int | None, int | None] = (None, None)  # the loader's rows per batch and dataset rows (loader_rows)
     device: dict[str, list[Any]] = field(default_factory=dict)  # name -> chunks not yet moved to the host
     host: dict[str, list[Any]] = field(default_factory=dict)
     positions: list[torch.Tensor] = field(default_factory=list)  # distributed: global position of every row
@@ -220,7 +223,8 @@ class EvalCollector(Plugin):
         if data_length(dataloader) == 0:
             raise ConfigError(f"the {prefix!r} dataset is empty (length 0): evaluation needs at least one batch")
         keep = keep_outputs or not (self.batch_eval_metrics and self.compute_metrics is not None)
-        self._pass = _Pass(prefix, time.perf_counter(), ShardLayout.of(dataloader), keep_outputs=keep)
+        layout, rows = ShardLayout.of(dataloader), loader_rows(dataloader)
+        self._pass = _Pass(prefix, time.perf_counter(), layout, keep_outputs=keep, rows=rows)
 
     def _trim_padding(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap ``prediction_step`` to run only the real samples of a batch padded by a DistributedSampler.
@@ -259,10 +263,10 @@ class EvalCollector(Plugin):
             loss = loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
             if distributed or self.include_losses:
                 parts["losses"] = loss.reshape(()).expand(real)  # HF: loss.repeat(batch_size)
-            if not distributed:
-                weighted = loss * size  # mean losses weighted by batch size = the loss of the whole set
-                run.loss_sum = weighted if run.loss_sum is None else run.loss_sum + weighted
-                run.loss_count += size
+            if not distributed:  # mean losses weighted by the rows they stand for = the loss of the whole set (HF)
+                rows = batch_rows(*run.rows, run.loss_count, size)
+                run.loss_sum = loss * rows if run.loss_sum is None else run.loss_sum + loss * rows
+                run.loss_count += rows
         if not self.prediction_loss_only:
             if logits is not None and self.preprocess_logits_for_metrics is not None:
                 logits = self.preprocess_logits_for_metrics(logits, labels)

@@ -159,3 +159,24 @@ def _returns_loss(batch: Any, can_return_loss: bool) -> bool:
     """transformers' ``return_loss``: the batch's ``return_loss`` entry, else the model's ``can_return_loss``."""
     asked = batch.get("return_loss") if isinstance(batch, Mapping) else None
     return bool(can_return_loss if asked is None else asked)
+
+
+def loader_rows(dataloader: Any) -> tuple[int | None, int | None]:
+    """``(rows per batch, rows of the dataset)`` of a DataLoader, as transformers' evaluation loop weighs a batch's
+    loss: ``eval_batch_size`` copies of it, the last batch's cut to what is left of the dataset (accelerate's
+    ``gather_for_metrics``). None where unknown (no batch_size: a batch sampler; a dataset without a length:
+    each batch then stands for the rows it has)."""
+    per_batch = getattr(dataloader, "batch_size", None)
+    try:
+        rows = len(dataloader.dataset) if per_batch is not None else None
+    except (AttributeError, TypeError):
+        rows = None
+    return per_batch, rows
+
+
+def batch_rows(per_batch: int | None, dataset_rows: int | None, rows_before: int, observed: int) -> int:
+    """The rows a batch's mean loss stands for (see ``loader_rows``): the observed batch size where the loader
+    says nothing. A packed / padding-free batch (one row of many examples) counts as the examples it holds."""
+    if per_batch is None or dataset_rows is None:  # an iterable set's batches: accelerate cuts to what came
+        return observed
+    return max(0, min(per_batch, dataset_rows - rows_before))
