@@ -127,3 +127,62 @@ def test_a_compute_loss_context_manager_override_runs_around_every_loss(tmp_path
         hf, tb = run_both(lambda impl, d, m=methods: _run(impl, d, m), tmp_path / next(iter(methods)))
         _compare(hf, tb)
         assert tb[0].seen
+
+
+def _columns_data(n: int, seed: int) -> Any:
+    import datasets
+
+    data = RegressionData(n, seed=seed)
+    return datasets.Dataset.from_dict({"input_x": data.x.tolist(), "labels": data.ys[0].tolist(), "note": ["x"] * n})
+
+
+def test_loader_builder_overrides_run_with_transformers_arguments(tmp_path: Path) -> None:
+    """_get_dataloader (what each get_*_dataloader asks for), _remove_unused_columns (a datasets.Dataset: the extra
+    column goes) and _get_collator_with_removed_columns (a list of dicts: here its collator also scales the input)."""
+
+    def _get_dataloader(self: Any, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,
+                        is_training: bool = False, dataloader_key: Any = None) -> Any:  # fmt: skip
+        self.seen.append(("loader", description, batch_size, is_training, dataloader_key, sampler_fn is not None))
+        return super(type(self), self)._get_dataloader(
+            dataset, description, batch_size, sampler_fn, is_training, dataloader_key
+        )
+
+    def _remove_unused_columns(self: Any, dataset: Any, description: Any = None) -> Any:
+        kept = super(type(self), self)._remove_unused_columns(dataset, description)
+        self.seen.append(("columns", description, sorted(dataset.column_names), sorted(kept.column_names)))
+        return kept
+
+    def _get_collator_with_removed_columns(self: Any, data_collator: Any, description: Any = None) -> Any:
+        inner = super(type(self), self)._get_collator_with_removed_columns(data_collator, description)
+        self.seen.append(("collator", description))
+
+        def collate(rows: list[Any]) -> Any:
+            batch = inner(rows)
+            return {**batch, "input_x": batch["input_x"] * 2}
+
+        return collate
+
+    def run(impl: Any, workdir: Path, methods: dict[str, Any], columnar: bool) -> Any:
+        subclass = type("Sub", (impl.Trainer,), methods)
+        make = _columns_data if columnar else (lambda n, seed: RegressionData(n, seed=seed))
+        train, evals = make(32, 1), make(12, 2)
+        trainer = subclass(model=SummedLoss(), args=_args(impl, workdir), train_dataset=train, eval_dataset=evals,
+                           compute_metrics=AlmostAccuracy())  # fmt: skip
+        trainer.seen = []
+        trainer.train()
+        return trainer, trainer.predict(evals)
+
+    cases = [
+        ("dataloader", {"_get_dataloader": _get_dataloader}, False),
+        ("columns", {"_remove_unused_columns": _remove_unused_columns}, True),
+        ("collator", {"_get_collator_with_removed_columns": _get_collator_with_removed_columns}, False),
+    ]
+    seen = {}
+    for label, methods, columnar in cases:
+        hf, tb = run_both(lambda impl, d, m=methods, c=columnar: run(impl, d, m, c), tmp_path / label)
+        _compare(hf, tb)
+        seen[label] = tb[0].seen
+    assert ("loader", "Training", 4, True, None, True) in seen["dataloader"]
+    assert ("loader", "Evaluation", 4, False, "eval", True) in seen["dataloader"]
+    assert ("columns", "Training", ["input_x", "labels", "note"], ["input_x", "labels"]) in seen["columns"]
+    assert ("collator", "test") in seen["collator"]

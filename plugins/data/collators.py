@@ -125,10 +125,21 @@ def remove_unused_columns(dataset: Any, model: torch.nn.Module, label_names: Seq
 
     Other datasets are returned unchanged; ``RemoveColumnsCollator`` drops their keys per batch.
     """
-    keep = signature_columns(model, label_names)
-    names = getattr(dataset, "column_names", None)
-    if not isinstance(names, list) or not callable(getattr(dataset, "remove_columns", None)):
+    return remove_columns_but(dataset, signature_columns(model, label_names), model)
+
+
+def is_columnar(dataset: Any) -> bool:
+    """Whether ``dataset`` is a HF ``datasets.Dataset`` (or alike): column names and ``remove_columns``."""
+    return isinstance(getattr(dataset, "column_names", None), list) and callable(
+        getattr(dataset, "remove_columns", None)
+    )
+
+
+def remove_columns_but(dataset: Any, keep: Sequence[str], model: torch.nn.Module) -> Any:
+    """``dataset`` without the columns not in ``keep`` (a columnar one; others unchanged); none kept is an error."""
+    if not is_columnar(dataset):
         return dataset
+    names = dataset.column_names
     drop = [c for c in names if c not in keep]
     if len(drop) == len(names):
         raise _unused_error(names, keep, model)

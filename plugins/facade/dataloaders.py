@@ -17,13 +17,13 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from trainbus.engine import ConfigError
 
+from ..data.collators import is_columnar, remove_columns_but
 from ..data.length_grouping import eval_sampler, main_input_name_of, train_sampler
 from ..data.loading import (
     FetchAheadLoader,
     RemoveColumnsCollator,
     build_dataloader,
     is_tokenizer_like,
-    remove_unused_columns,
     signature_columns,
 )
 from .batch_checks import CheckedCollator
@@ -64,39 +64,64 @@ class TrainerData:
         per_epoch = math.ceil(batches / args.gradient_accumulation_steps)
         return None, max(1, math.ceil(args.num_train_epochs * per_epoch))  # fractional epochs, as HF
 
-    def _collator_for(self, dataset: Any) -> Callable[[list[Any]], Any]:
-        if not self.args.remove_unused_columns:
-            return self.data_collator
-        keep = signature_columns(self._model_for_columns, self.label_names_arg)
-        if hasattr(dataset, "column_names"):
-            return self.data_collator  # datasets.Dataset columns are removed on the dataset itself
-        return RemoveColumnsCollator(self.data_collator, keep, self._model_for_columns)
+    #: HF's: the batch keys the model takes (its forward's parameters and the label keys), set when first needed
+    _signature_columns: list[str] | None = None
 
-    def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool, ahead: bool = False) -> Any:
+    def _set_signature_columns_if_needed(self) -> None:
+        """HF's: ``_signature_columns`` from the model's forward when not set yet (a subclass may set its own)."""
+        if self._signature_columns is None:
+            self._signature_columns = signature_columns(self._model_for_columns, self.label_names_arg)
+
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        """HF's: a ``datasets.Dataset`` without the columns the model's forward does not take."""
+        if not self.args.remove_unused_columns:
+            return dataset
+        self._set_signature_columns_if_needed()
+        return remove_columns_but(dataset, self._signature_columns or [], self._model_for_columns)
+
+    def _get_collator_with_removed_columns(self, data_collator: Any, description: str | None = None) -> Any:
+        """HF's: the collator, dropping the keys of dict samples the model's forward does not take."""
+        if not self.args.remove_unused_columns:
+            return data_collator
+        self._set_signature_columns_if_needed()
+        return RemoveColumnsCollator(data_collator, self._signature_columns or [], self._model_for_columns)
+
+    def _get_dataloader(
+        self,
+        dataset: Any,
+        description: str,
+        batch_size: int,
+        sampler_fn: Callable[..., Any] | None = None,
+        is_training: bool = False,
+        dataloader_key: str | None = None,
+    ) -> Any:
+        """HF's: a loader of ``dataset`` (columns removed, ``sampler_fn``'s sampler); evaluation and prediction
+        loaders are read one batch ahead (``FetchAheadLoader``), as accelerate reads transformers' loaders."""
         args = self.args
-        seed = args.data_seed if args.data_seed is not None else args.seed
         sampler = None
-        if not shuffle and not isinstance(dataset, IterableDataset | DataLoader):  # HF asks _get_eval_sampler
-            sampler = self._get_eval_sampler(dataset)  # a subclass's override too
-        if shuffle:  # HF's loader asks _get_train_sampler (a subclass's too); lengths read before columns go
-            takes_dataset = bool(inspect.signature(self._get_train_sampler).parameters)  # older overrides: none
-            sampler = self._get_train_sampler(dataset) if takes_dataset else self._get_train_sampler()
-        if args.remove_unused_columns:
-            dataset = remove_unused_columns(dataset, self._model_for_columns, self.label_names_arg)
+        if sampler_fn is not None and not isinstance(dataset, IterableDataset | DataLoader):
+            # lengths read before columns go; an older _get_train_sampler override takes no dataset
+            takes_dataset = bool(inspect.signature(sampler_fn).parameters)
+            sampler = sampler_fn(dataset) if takes_dataset else sampler_fn()
+        collator = self.data_collator
+        if is_columnar(dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
         return build_dataloader(
             dataset,
             batch_size=batch_size,
-            collate_fn=CheckedCollator(self._collator_for(dataset), self.label_names_arg),  # bad samples named
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
+            collate_fn=CheckedCollator(collator, self.label_names_arg),  # bad samples named
+            shuffle=is_training,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            drop_last=args.dataloader_drop_last,
             num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
             persistent_workers=args.dataloader_persistent_workers,
             prefetch_factor=args.dataloader_prefetch_factor,
             multiprocessing_context=args.dataloader_multiprocessing_context,
             sampler=sampler,
-            loader_class=FetchAheadLoader if ahead else DataLoader,  # read as accelerate reads HF's eval loaders
+            loader_class=DataLoader if is_training else FetchAheadLoader,
         )
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
@@ -125,8 +150,9 @@ class TrainerData:
     def get_train_dataloader(self) -> Any:
         if self.train_dataset is None:
             raise ConfigError("Trainer: training requires a train_dataset")
-        args = self.args
-        loader = self._loader(self.train_dataset, self._train_batch_size, True, args.dataloader_drop_last)
+        loader = self._get_dataloader(
+            self.train_dataset, "Training", self._train_batch_size, self._get_train_sampler, is_training=True
+        )
         return loader if self.distributed is None else self.distributed.shard_train(loader)
 
     def _use_train_batch_size(self, batch_size: int) -> None:
@@ -140,10 +166,13 @@ class TrainerData:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ConfigError("Trainer: evaluation requires an eval_dataset")
-        return self._loader(dataset, self.args.eval_batch_size, False, self.args.dataloader_drop_last, ahead=True)
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+        return self._get_dataloader(
+            dataset, "Evaluation", self.args.eval_batch_size, self._get_eval_sampler, False, key
+        )
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
-        return self._loader(test_dataset, self.args.eval_batch_size, False, self.args.dataloader_drop_last, ahead=True)
+        return self._get_dataloader(test_dataset, "test", self.args.eval_batch_size, self._get_eval_sampler)
 
     def _eval_loaders(self, dataset: Any) -> Any:
         if isinstance(dataset, Mapping):

@@ -38,6 +38,9 @@ HONOURED: dict[str, str] = {
     "_get_train_sampler": "the train loader",
     "_get_num_items_in_batch": "every training window (its num_items_in_batch)",
     "_get_eval_sampler": "every evaluation and prediction loader",
+    "_get_dataloader": "get_train_dataloader / get_eval_dataloader / get_test_dataloader",
+    "_remove_unused_columns": "every loader of a datasets.Dataset (remove_unused_columns)",
+    "_get_collator_with_removed_columns": "every loader of another dataset (remove_unused_columns)",
     "_prepare_input": "every training and evaluation batch (through _prepare_inputs)",
     "_prepare_inputs": "every training and evaluation batch, as it moves to the device",
     "compute_loss_context_manager": "every micro-batch's loss and every evaluation batch's forward",
@@ -117,10 +120,7 @@ REFUSED: dict[str, str] = {
     "store_flos": "floating_point_ops (total_flos is summed by the FloCounter plugin)",
     "_update_auto_batch_size": "auto_find_batch_size",
     # data loading internals
-    "_get_dataloader": _DATA,
     "_set_signature_columns_if_needed": "remove_unused_columns / label_names, or the data collator",
-    "_remove_unused_columns": "remove_unused_columns / label_names, or the data collator",
-    "_get_collator_with_removed_columns": "the data_collator argument",
     "_prepare_context_parallel_inputs": "trainbus has no context parallelism",
     # checkpoints: the Checkpointing plugin writes and reads them (safetensors and JSON, verified)
     "_get_output_dir": "args.output_dir (checkpoints are args.output_dir/checkpoint-N; a search trial's args are "
