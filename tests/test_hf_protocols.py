@@ -212,3 +212,35 @@ def test_packed_eval_batches_weigh_their_rows_as_under_transformers(tmp_path: Pa
     assert_same_metrics(hf_test, tb_test)
     means = [float(((data.x[i : i + 3] - data.ys[0][i : i + 3]) ** 2).mean()) for i in (0, 3, 6)]
     assert tb_eval["eval_loss"] == pytest.approx((3 * means[0] + 3 * means[1] + 2 * means[2]) / 8, rel=1e-6)
+
+
+# -- a loader's .dataset is the dataset given (columns removed as transformers removes them) ------------------
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loaders_hold_the_dataset_given(workers: int, tmp_path: Path) -> None:
+    """With workers too (trainbus's loaders fetch through a per-batch seeding wrapper, which ``.dataset`` showed)."""
+    import datasets
+
+    source = RegressionData(16)
+    columns = {"input_x": source.x.tolist(), "labels": source.ys[0].tolist(), "note": ["x"] * 16}
+
+    def scenario(impl: Any, workdir: Path) -> Any:
+        found = []
+        for make in (lambda: [source[i] for i in range(16)], lambda: RegressionData(16),
+                     lambda: datasets.Dataset.from_dict(columns)):  # fmt: skip
+            train, evals = make(), make()
+            args = impl.args(workdir, per_device_train_batch_size=4, dataloader_num_workers=workers, max_steps=2)
+            trainer = impl.Trainer(model=RegressionModel(), args=args, train_dataset=train, eval_dataset=evals)
+            loaders = (
+                trainer.get_train_dataloader(),
+                trainer.get_eval_dataloader(),
+                trainer.get_test_dataloader(evals),
+            )
+            for loader, given in zip(loaders, (train, evals, evals)):
+                found.append((loader.dataset is given, type(loader.dataset).__name__,
+                              getattr(loader.dataset, "column_names", None)))  # fmt: skip
+            found.append(len(next(iter(loaders[0]))["labels"]))
+        return found
+
+    hf, tb = run_both(scenario, tmp_path)
+    assert tb == hf
+    assert tb[0] == (True, "list", None) and tb[-2] == (False, "Dataset", ["input_x", "labels"])

@@ -39,7 +39,7 @@ from .replay import (
     warn_unless_replayable,
 )
 from .rng import rng_state, same_rng_state
-from .seeded import SeededBatches
+from .seeded import SeededBatches, SeededDatasetLoader, fetched_dataset
 
 
 class EpochSampler(Sampler[int]):
@@ -88,7 +88,7 @@ def resumable_epoch_iterator(
         if callable(set_epoch):
             set_epoch(epoch)
             break
-    dataset = getattr(data, "dataset", None)
+    dataset = fetched_dataset(data)
     if isinstance(dataset, SeededBatches):  # its workers' seeds (a sampler's set_epoch above is separate)
         dataset.set_epoch(epoch)
     if replay is None:
@@ -163,6 +163,14 @@ class FetchAheadLoader(DataLoader[Any]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         return fetch_one_ahead(super().__iter__())
+
+
+class SeededFetchAheadLoader(SeededDatasetLoader, FetchAheadLoader):
+    """A ``FetchAheadLoader`` whose workers fetch through ``SeededBatches`` (its ``.dataset`` the user's)."""
+
+
+#: the loader class of a map-style dataset read by workers, for each loader class build_dataloader is given
+_SEEDED_LOADERS: dict[type, type] = {DataLoader: SeededDatasetLoader, FetchAheadLoader: SeededFetchAheadLoader}
 
 
 IMPLICIT = "_implicit_resumable_data"  # the engine's attribute for the one ensure_resumable_data attached
@@ -320,8 +328,9 @@ def build_dataloader(
             prefetch_factor=prefetch_factor,
             multiprocessing_context=multiprocessing_context,
         )
-    if num_workers > 0 and not iterable:
+    if num_workers > 0 and not iterable:  # its .dataset stays the user's (SeededDatasetLoader)
         dataset = SeededBatches(dataset, seed)
+        loader_class = _SEEDED_LOADERS.get(loader_class, loader_class)
     return loader_class(
         dataset,
         batch_size=batch_size,
@@ -353,6 +362,7 @@ __all__ = [
     "DataCollatorWithPadding",
     "EpochSampler",
     "FetchAheadLoader",
+    "SeededFetchAheadLoader",
     "RemoveColumnsCollator",
     "ResumableData",
     "build_dataloader",

@@ -39,6 +39,7 @@ from torch.utils.data import (
 )
 
 from .rng import rng_state, same_rng_state, set_rng_state
+from .seeded import fetched_dataset
 
 #: torch's samplers that draw only when a pass starts, from the global generator or their own
 REPLAYABLE = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
@@ -198,7 +199,7 @@ def skip_first_batches(
     sampler = SkipBatches(batch_sampler, skip, len(batch_sampler), drawn, restart)  # type: ignore[arg-type]
     workers = loader.num_workers > 0
     return DataLoader(
-        loader.dataset,
+        fetched_dataset(loader),  # a worker loader's SeededBatches: the resumed batches seeded as before
         batch_sampler=sampler,
         collate_fn=loader.collate_fn,
         num_workers=loader.num_workers,

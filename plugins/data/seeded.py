@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["SeededBatches"]
+__all__ = ["SeededBatches", "SeededDatasetLoader", "fetched_dataset"]
 
 
 class SeededBatches(Dataset[Any]):
@@ -63,3 +63,36 @@ class SeededBatches(Dataset[Any]):
 def _batch_seed(seed: int, epoch: int, indices: list[int]) -> int:
     digest = hashlib.blake2b(repr((seed, epoch, [int(i) for i in indices])).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % 2**63
+
+
+class SeededDatasetLoader(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader whose workers fetch through ``SeededBatches`` while its ``.dataset`` is the user's dataset.
+
+    transformers' loaders hold the dataset they were given (``trainer.get_train_dataloader().dataset``); the
+    wrapper that seeds each batch in a worker is what this loader's iterators fetch from (``fetched_dataset``).
+    """
+
+    _fetching = False
+
+    @property  # type: ignore[override]
+    def dataset(self) -> Any:
+        fetched = self.__dict__["_fetched"]
+        return fetched if self._fetching else fetched.dataset
+
+    @dataset.setter
+    def dataset(self, value: Any) -> None:  # DataLoader.__init__ sets it once, with the SeededBatches
+        self.__dict__["_fetched"] = value
+
+    def _get_iterator(self) -> Any:
+        self._fetching = True  # the iterator (and the workers it starts) read loader.dataset now
+        try:
+            return super()._get_iterator()
+        finally:
+            self._fetching = False
+
+
+def fetched_dataset(loader: Any) -> Any:
+    """What ``loader``'s batches are fetched from: its ``SeededBatches`` where it has one, else ``loader.dataset``."""
+    if isinstance(loader, SeededDatasetLoader):
+        return loader.__dict__["_fetched"]
+    return getattr(loader, "dataset", None)
