@@ -41,10 +41,8 @@ def steps(trainer: Any) -> list[dict[str, float]]:
 
 
 #: until plugins/facade/composition.py composes GradientClipping(max_grad_norm, norm_when_off=True) at 0 (lead's file)
-PENDING = pytest.mark.xfail(strict=True, raises=KeyError, reason="the facade composes no GradientClipping at 0 yet")
 
 
-@PENDING
 def test_max_grad_norm_zero_logs_the_norm_as_transformers(tmp_path: Path) -> None:
     hf, ours = run("transformers", tmp_path, max_grad_norm=0.0), run("trainbus", tmp_path, max_grad_norm=0.0)
     theirs, mine = steps(hf), steps(ours)
@@ -58,7 +56,6 @@ def test_max_grad_norm_zero_logs_the_norm_as_transformers(tmp_path: Path) -> Non
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@PENDING
 def test_max_grad_norm_zero_clips_nothing(tmp_path: Path) -> None:
     """The norms exceed 0.01 (the clipped run moves less); at 0 the run is the unclipped one, bit for bit."""
     off = run("trainbus", tmp_path / "off", max_grad_norm=0.0)

@@ -141,8 +141,9 @@ def _step_plugins(trainer: Any, args: TrainingArguments, scheduler: Any) -> list
                 )
             )
     optim = optimizer_spec(str(args.optim))
-    if args.max_grad_norm and not optim.steps_in_backward and not deepspeed:  # those leave no gradients to clip
-        plugins.append(GradientClipping(args.max_grad_norm))
+    if not optim.steps_in_backward and not deepspeed:  # those leave no gradients to clip
+        # max_grad_norm=0: no clipping, but grad_norm is measured and logged, as transformers does
+        plugins.append(GradientClipping(args.max_grad_norm, norm_when_off=True))
     plugins.append(ScheduleFreeModes())  # acts only on optimizers with train() / eval(), as in HF
     if optim.fused_backward:
         plugins.append(FusedBackward())
