@@ -186,3 +186,44 @@ def test_loader_builder_overrides_run_with_transformers_arguments(tmp_path: Path
     assert ("loader", "Evaluation", 4, False, "eval", True) in seen["dataloader"]
     assert ("columns", "Training", ["input_x", "labels", "note"], ["input_x", "labels"]) in seen["columns"]
     assert ("collator", "test") in seen["collator"]
+
+
+def test_a_get_batch_samples_override_makes_the_windows_and_their_count(tmp_path: Path) -> None:
+    """A community-style override: the window's count from its own rule (every label twice). 9 batches per epoch in
+    windows of 2: transformers asks 2, 2, 2, 2 and 1 (the epoch's remainder) each epoch, and so does trainbus."""
+
+    def get_batch_samples(self: Any, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        batches, items = super(type(self), self).get_batch_samples(epoch_iterator, num_batches, device)
+        self.seen.append((num_batches, len(batches), None if items is None else int(items)))
+        return batches, sum(len(b["labels"]) for b in batches) * 2
+
+    def run(impl: Any, workdir: Path) -> Any:
+        subclass = type("Sub", (impl.Trainer,), {"get_batch_samples": get_batch_samples})
+        args = _args(impl, workdir, max_steps=-1, num_train_epochs=2, eval_strategy="epoch")
+        trainer = subclass(model=SummedLoss(), args=args, train_dataset=RegressionData(36, seed=1),
+                           eval_dataset=RegressionData(12, seed=2), compute_metrics=AlmostAccuracy())  # fmt: skip
+        trainer.seen = []
+        trainer.train()
+        return trainer, trainer.predict(RegressionData(8, seed=3))
+
+    hf, tb = run_both(run, tmp_path)
+    _compare(hf, tb)
+    assert tb[0].seen == [(2, 2, 8)] * 4 + [(1, 1, 4)] + [(2, 2, 8)] * 4 + [(1, 1, 4)]
+    # independent: the first step's loss is half the window's mean squared error (the model divides by 2 x 8)
+    data = RegressionData(36, seed=1)
+    assert tb[0].state.log_history[0]["loss"] == pytest.approx(0.5 * float((data.ys[0][:8] ** 2).mean()), rel=1e-6)
+
+
+def test_a_get_batch_samples_override_taking_more_batches_is_named(tmp_path: Path) -> None:
+    from trainbus.engine import ConfigError
+    from trainbus.plugins import Trainer, TrainingArguments
+
+    class Greedy(Trainer):
+        def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            return super().get_batch_samples(epoch_iterator, num_batches + 1, device)
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", max_steps=2, gradient_accumulation_steps=2,
+                             per_device_train_batch_size=4, save_strategy="no")  # fmt: skip
+    trainer = Greedy(SummedLoss(), args, train_dataset=RegressionData(32, seed=1))
+    with pytest.raises(ConfigError, match=r"Greedy.get_batch_samples returned 3 batches for a window of 2"):
+        trainer.train()

@@ -36,6 +36,7 @@ HONOURED: dict[str, str] = {
     "get_eval_dataloader": "every evaluate()",
     "get_test_dataloader": "predict()",
     "_get_train_sampler": "the train loader",
+    "get_batch_samples": "every training window (its micro-batches and num_items_in_batch)",
     "_get_num_items_in_batch": "every training window (its num_items_in_batch)",
     "_get_eval_sampler": "every evaluation and prediction loader",
     "_get_dataloader": "get_train_dataloader / get_eval_dataloader / get_test_dataloader",
@@ -116,7 +117,6 @@ REFUSED: dict[str, str] = {
     "get_total_train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps (the engine plans "
     "the run)",
     "num_examples": _DATA,
-    "get_batch_samples": "a compute_loss or training_step override (num_items_in_batch is given to both)",
     "store_flos": "floating_point_ops (total_flos is summed by the FloCounter plugin)",
     "_update_auto_batch_size": "auto_find_batch_size",
     # data loading internals

@@ -10,7 +10,8 @@ plugin publishes it at STEP_START.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from trainbus.engine import Event, LogEvent, Priority, StepStartEvent
 from trainbus.hooks import forward as default_forward
 from trainbus.hooks import get_labels, to_device
 
+from ..data.batch_samples import WindowsFromBatchSamples
 from ..distributed.processes import all_reduce_sum, collective_device, world_size
 from ..evaluation.collector import hf_prediction_step
 from ..optimization.accumulation import GradientAccumulation
@@ -79,7 +81,10 @@ class TrainerStepHooks:
             self.wrap_hook("forward", self._in_loss_context)  # type: ignore[attr-defined]
         # before GradientAccumulation weighs the window (PRODUCER): whether its loss comes back normalised
         self.on(Event.TRAIN_START, self._plan_protocol, name="Trainer.loss_protocol")
-        if self.overrides("training_step") or self.overrides("_get_num_items_in_batch"):
+        if self.overrides("get_batch_samples"):
+            # outside the one-batch-ahead reader _compose adds: wrapped when training starts, once
+            self.on(Event.TRAIN_START, self._windows_from_batch_samples, name="Trainer.get_batch_samples")
+        if any(self.overrides(n) for n in ("training_step", "_get_num_items_in_batch", "get_batch_samples")):
             self.on(Event.STEP_START, self._publish_window_items, name="Trainer._get_num_items_in_batch")
         if self.overrides("log"):
             # after TrainLogger filled a logging point's record, before history and sinks read it
@@ -130,11 +135,27 @@ class TrainerStepHooks:
         if accumulation is not None:
             accumulation.prescaled = scaled
 
+    _batch_samples: WindowsFromBatchSamples | None = None
+
+    def _windows_from_batch_samples(self, ev: Any) -> None:
+        if self._batch_samples is None:
+            self._batch_samples = WindowsFromBatchSamples(self, self.get_batch_samples)
+            self.wrap_hook("epoch_iterator", self._batch_samples)  # type: ignore[attr-defined]
+        self._batch_samples.items.clear()
+
     def _publish_window_items(self, ev: StepStartEvent) -> None:
-        """``num_items_in_batch`` from ``_get_num_items_in_batch`` (a subclass's override), after the accumulation
-        plugin published its count; with a training_step override (no plugin counts the window), HF's count."""
-        if self.overrides("_get_num_items_in_batch") or self.get_plugin(GradientAccumulation) is None:  # type: ignore[attr-defined]
+        """``num_items_in_batch`` from ``get_batch_samples`` / ``_get_num_items_in_batch`` (a subclass's override),
+        after the accumulation plugin published its count; with a training_step override (no plugin counts the
+        window), HF's count."""
+        if self._batch_samples is not None:  # the count get_batch_samples returned with this window's batches
+            self.step_outputs["num_items_in_batch"] = self._batch_samples.take()
+        elif self.overrides("_get_num_items_in_batch") or self.get_plugin(GradientAccumulation) is None:  # type: ignore[attr-defined]
             self.step_outputs["num_items_in_batch"] = self._get_num_items_in_batch(list(ev.batches), self.device)
+
+    def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int, device: Any = None) -> Any:
+        """HF's: up to ``num_batches`` batches from ``epoch_iterator`` and their ``_get_num_items_in_batch``."""
+        batches = list(itertools.islice(epoch_iterator, num_batches))
+        return batches, self._get_num_items_in_batch(batches, device)
 
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: Any) -> Any:
         """HF's: the items of a window's batches (what the model's loss averages over, labels not -100), or
