@@ -28,9 +28,9 @@ transformers = pytest.importorskip("transformers")
 def test_activation_and_gradient_checkpointing_mirror_as_in_transformers(given: dict, tmp_path: Path) -> None:
     import dataclasses
 
-    hf = transformers.TrainingArguments(str(tmp_path), **given)
-    if not any(f.name == "activation_checkpointing" for f in dataclasses.fields(hf)):
+    if not any(f.name == "activation_checkpointing" for f in dataclasses.fields(transformers.TrainingArguments)):
         pytest.skip(f"transformers {transformers.__version__} has no activation_checkpointing")
+    hf = transformers.TrainingArguments(str(tmp_path), **given)
     ours = TrainingArguments(str(tmp_path), **given)
     for name in ("activation_checkpointing", "gradient_checkpointing", "activation_checkpointing_kwargs",
                  "gradient_checkpointing_kwargs"):  # fmt: skip

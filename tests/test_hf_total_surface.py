@@ -286,12 +286,9 @@ def test_label_smoother_is_transformers_loss(tmp_path: Path) -> None:
     logits = torch.randn(3, 5, 7, generator=g)
     labels = torch.randint(0, 7, (3, 5), generator=g)
     labels[0, :2] = -100
-    for kwargs in (
-        {},
-        {"shift_labels": True},
-        {"num_items_in_batch": 9},
-        {"shift_labels": True, "num_items_in_batch": 11},
-    ):
+    takes_count = "num_items_in_batch" in inspect.signature(type(hf.label_smoother).__call__).parameters
+    cases = [{}, {"shift_labels": True}, {"num_items_in_batch": 9}, {"shift_labels": True, "num_items_in_batch": 11}]
+    for kwargs in cases if takes_count else cases[:2]:
         expected = hf.label_smoother({"logits": logits}, labels, **kwargs)
         torch.testing.assert_close(ours.label_smoother({"logits": logits}, labels, **kwargs), expected)
 
