@@ -74,13 +74,6 @@ class MemoryTracker:
             self.memory_metrics.stop(self._stage(), metrics)
 
 
-def _off_value_of_fsdp_xla() -> bool | None:
-    """transformers 4.x sets ``is_fsdp_xla_*`` to False when the Trainer is built, 5.x leaves them None."""
-    import transformers
-
-    return False if transformers.__version__.split(".")[0] == "4" else None
-
-
 def _can_return_loss(model: Any) -> bool:
     """transformers' rule (``can_return_loss``): the forward has a ``return_loss`` parameter defaulting to True."""
     try:
@@ -170,8 +163,7 @@ class TrainerInternals:
         self.is_distributed_loading_by_transformers = False
         self.is_tp_enabled = False  # transformers 4.x: tensor parallelism (trainbus has none)
         self.use_cpu_amp = False  # transformers 4.x: CPU autocast is the MixedPrecision plugin's
-        off = _off_value_of_fsdp_xla()
-        self.is_fsdp_xla_enabled = self.is_fsdp_xla_v1_enabled = self.is_fsdp_xla_v2_enabled = off
+        self.is_fsdp_xla_enabled = self.is_fsdp_xla_v1_enabled = self.is_fsdp_xla_v2_enabled = False
 
     @property
     def gather_function(self) -> Any:
