@@ -382,8 +382,8 @@ def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
     """Load weights saved by ``save_model`` or a checkpoint (safetensors only, also HF shards)."""
     root = Path(directory)
     single = root / "model.safetensors"
-    if (root / MANIFEST).is_file():  # a checkpoint: the weights its resume reads (model_part.py)
-        from .model_part import weights_file
+    if (root / MANIFEST).is_file():  # a checkpoint: the weights its resume reads (weights_name.py)
+        from .weights_name import weights_file
 
         single = root / weights_file(read_json(root / MANIFEST), root / MANIFEST)
     index = root / "model.safetensors.index.json"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +34,10 @@ import torch
 
 from . import io as cio
 from .frozen import adapter_model, trainable_state_dict, write_adapter_folder
-from .safety import DamagedCheckpoint, plain_name
+from .weights_name import MANIFEST_KEY, OWN_WEIGHTS, WEIGHTS, weights_file
 
-WEIGHTS = "model.safetensors"
-OWN_WEIGHTS = "trainbus_weights.safetensors"
-MANIFEST_KEY = "weights"
+__all__ = ["MANIFEST_KEY", "OWN_WEIGHTS", "WEIGHTS", "weights_file"]  # weights_file's users import it from here
 _ACTIVE: contextvars.ContextVar[ModelPart | None] = contextvars.ContextVar("trainbus_model_part", default=None)
-
-
-def weights_file(manifest: Mapping[str, Any], listed_in: Path) -> str:
-    """The name of a checkpoint's resume weights: the manifest's ``"weights"``, else ``model.safetensors``."""
-    name = manifest.get(MANIFEST_KEY, WEIGHTS)
-    plain_name(name, listed_in)
-    if not str(name).endswith(".safetensors"):
-        raise DamagedCheckpoint(f"{listed_in} names {name!r} as its weights, not a .safetensors file")
-    return str(name)
 
 
 def active_part(directory: str | os.PathLike[str] | None) -> ModelPart | None:

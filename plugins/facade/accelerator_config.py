@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,7 +58,8 @@ def parse_accelerator_config(value: Any) -> Any:
         value = _from_text(value)
     if not isinstance(value, Mapping):
         raise ConfigError(
-            f"accelerator_config must be a dict, a JSON string or file, or an AcceleratorConfig, got {value!r}"
+            f"TrainingArguments: accelerator_config must be a dict, a JSON string or file, or an AcceleratorConfig, "
+            f"got {value!r}"
         )
     unknown = sorted(set(value) - set(DEFAULTS))
     if unknown:
@@ -66,10 +68,10 @@ def parse_accelerator_config(value: Any) -> Any:
     for key, (allowed, why) in ACCEPTED.items():
         if config[key] not in allowed:
             raise ConfigError(f"accelerator_config[{key!r}]={config[key]!r} is not supported by trainbus: {why}")
-    try:
-        from transformers.trainer_pt_utils import AcceleratorConfig
-    except ImportError:  # pragma: no cover - the Trainer facade runs with transformers
+    if "transformers" not in sys.modules:  # transformers' class only where the script uses transformers
         return config
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
     return AcceleratorConfig(**config)
 
 

@@ -22,6 +22,7 @@ returns is honoured. Where the events fire::
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -201,6 +202,8 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
 
     def insert_defaults(self, disable_tqdm: bool) -> None:
         """transformers' list: ``DefaultFlowCallback`` first, the script's callbacks, then the progress callback."""
+        if "transformers" not in sys.modules:  # a script that never imported transformers lists no stand-ins
+            return
         from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback, ProgressCallback
 
         self.callbacks.insert(0, DefaultFlowCallback())

@@ -126,11 +126,14 @@ def default_label_names(model: Any) -> list[str]:
     """transformers' default ``label_names``: ``find_labels`` of the model's class (its forward's parameters
     naming a label; a question-answering model's start / end positions). A CLIP-like model has none."""
     model = unwrap_model(model)
-    try:
+    if "transformers" in sys.modules:
         from transformers.utils import find_labels
-    except ImportError:  # pragma: no cover - the facade runs with transformers
-        return ["labels"]
-    return list(find_labels(type(model)))
+
+        return list(find_labels(type(model)))
+    # the same rule without importing transformers (a script that never did keeps its start-up light)
+    parameters = inspect.signature(type(model).forward).parameters
+    qa = "QuestionAnswering" in type(model).__name__
+    return [p for p in parameters if "label" in p or (qa and p in ("start_positions", "end_positions"))]
 
 
 def loss_shifts_labels(model: Any) -> bool:

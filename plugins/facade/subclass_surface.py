@@ -77,10 +77,10 @@ class MemoryTracker:
 def _can_return_loss(model: Any) -> bool:
     """transformers' rule (``can_return_loss``): the forward has a ``return_loss`` parameter defaulting to True."""
     try:
-        from transformers.utils import can_return_loss
-    except ImportError:  # pragma: no cover - the facade needs transformers
+        parameter = inspect.signature(model.forward).parameters.get("return_loss")
+    except (TypeError, ValueError):
         return False
-    return bool(can_return_loss(type(model)))
+    return parameter is not None and parameter.default is True
 
 
 class LabelSmoother:

@@ -272,7 +272,8 @@ def test_missing_stateful_callback_warned__mirrors_test_missing_stateful_callbac
 
     import trainbus.plugins.facade.callbacks
 
-    loggers = {"transformers": transformers.trainer.logger, "trainbus": trainbus.plugins.facade.callbacks.logger}
+    hf_logger_in_trainbus = trainbus.plugins.facade.callbacks.hf_trainer_logger  # transformers.trainer's, by name
+    loggers = {"transformers": transformers.trainer.logger, "trainbus": hf_logger_in_trainbus}
 
     def scenario(impl, d):
         regression_trainer(
