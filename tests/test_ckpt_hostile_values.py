@@ -21,6 +21,7 @@ import torch
 from tests.ckpt_hostile_helpers import make_engine, rewrite_json, same_weights
 from trainbus.plugins.checkpoints import io as cio
 from trainbus.plugins.checkpoints.checkpoint import resume
+from trainbus.plugins.checkpoints.history import HF_STATE_FIELDS, OWN_STATE
 from trainbus.plugins.checkpoints.safety import DamagedCheckpoint
 
 
@@ -44,7 +45,8 @@ def set_field(name: str, value: Any) -> Any:
     return change
 
 
-#: (field, hostile value): each written into checkpoint-4's trainer_state.json (global_step into the manifest too)
+#: (field, hostile value): each written into checkpoint-4's trainer_state.json (global_step into the manifest too),
+#: or, for the engine's own fields (not transformers' TrainerState's), into its trainbus_state.json
 BAD_STATE = [
     ("global_step", 1e30),
     ("global_step", -7),
@@ -89,7 +91,12 @@ BAD_STATE = [
 @pytest.mark.parametrize(("field", "value"), BAD_STATE, ids=[f"{f}={v!r}"[:40] for f, v in BAD_STATE])
 def test_a_bad_state_value_falls_back_to_the_checkpoint_before(run: Path, field: str, value: Any) -> None:
     newest = run / "checkpoint-4"
-    rewrite_json(newest, "trainer_state.json", set_field(field, value))
+    if field in HF_STATE_FIELDS:
+        name = "trainer_state.json"
+        rewrite_json(newest, name, set_field(field, value))
+    else:
+        name = OWN_STATE
+        rewrite_json(newest, name, lambda document: set_field(field, value)(document["state"]))
     if field == "global_step":  # a consistent forgery: the manifest says the same
         manifest = json.loads((newest / cio.MANIFEST).read_text())
         manifest["global_step"] = value
@@ -98,7 +105,7 @@ def test_a_bad_state_value_falls_back_to_the_checkpoint_before(run: Path, field:
     with pytest.warns(UserWarning, match=rf"skipping the damaged checkpoint .*checkpoint-4 .*{field}"):
         assert resume(fresh, True) == run / "checkpoint-2"
     assert fresh.state.global_step == 2 and same_weights(fresh.model, run / "checkpoint-2")
-    with pytest.raises(DamagedCheckpoint, match=rf"trainer_state.json.*{field}"):
+    with pytest.raises(DamagedCheckpoint, match=rf"{name}.*{field}"):
         resume(make_engine(run, max_steps=6), newest)
     fresh.fit()
     assert fresh.state.global_step == 6

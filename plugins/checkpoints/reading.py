@@ -125,6 +125,7 @@ def read_trainer_state(path: str | Path) -> State:
 
 def _trainer_state(files: verified.CheckedFiles, manifest: dict[str, Any]) -> State:
     path = files.directory / "trainer_state.json"
+    own_path = None
     data = files.read_bytes(path.name)  # a missing or damaged file: its ConfigError names it
     value = cio.parse_json(data, path)  # parsed once, bounded in size, parse memory and depth (safety.py)
     try:
@@ -137,7 +138,7 @@ def _trainer_state(files: verified.CheckedFiles, manifest: dict[str, Any]) -> St
         state = State.from_dict(value)
     except Exception as exc:
         raise DamagedCheckpoint(f"checkpoint file {path} is not a valid trainer state: {exc}") from exc
-    check_state_fields(vars(state), path, manifest)  # types, ranges, agreement (restored.py)
+    check_state_fields(vars(state), path, manifest, own_path)  # types, ranges, agreement (restored.py)
     # the best checkpoint by its name, next to this one: never a path the state names (restored.py)
     best, forgotten = trusted_best(state.best_model_checkpoint, files.directory, state.global_step)
     state.best_model_checkpoint = best

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .history import HF_STATE_FIELDS
 from .rng import rng_state, set_rng_state
 from .safety import DamagedCheckpoint
 
@@ -57,12 +58,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def check_state_fields(fields: Mapping[str, Any], path: Path, manifest: Mapping[str, Any]) -> None:
-    """Refuse (DamagedCheckpoint) a trainer state (``path``) whose fields a run cannot have written."""
+def check_state_fields(
+    fields: Mapping[str, Any], path: Path, manifest: Mapping[str, Any], own_path: Path | None = None
+) -> None:
+    """Refuse (DamagedCheckpoint) a trainer state (``path``) whose fields a run cannot have written.
+
+    ``own_path``: the file holding the engine's own fields (``trainbus_state.json``), named for those.
+    """
 
     def refuse(name: str, allowed: str) -> None:
+        where = own_path if own_path is not None and name not in HF_STATE_FIELDS else path
         raise DamagedCheckpoint(
-            f"checkpoint file {path} holds {name}={fields.get(name)!r:.80}; {allowed}: the state is damaged or forged"
+            f"checkpoint file {where} holds {name}={fields.get(name)!r:.80}; {allowed}: the state is damaged or forged"
         )
 
     for name in _COUNTS:
