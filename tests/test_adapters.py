@@ -145,9 +145,13 @@ def test_lora_checkpoints_hold_only_what_trains_and_resume_bit_exact(tmp_path: P
     full = _lora_trainer(tmp_path / "full")
     full.train()
     checkpoint = tmp_path / "full" / "run" / "checkpoint-2"
-    weights = st_load(checkpoint / "model.safetensors")
-    assert weights and all("lora_" in name for name in weights)  # the adapter, not the base
     manifest = read_manifest(checkpoint)
+    # the resume weights are trainbus's own file (model.safetensors would be mistaken for a model by from_pretrained)
+    assert manifest["weights"] == "trainbus_weights.safetensors" and not (checkpoint / "model.safetensors").exists()
+    weights = st_load(checkpoint / manifest["weights"])
+    assert weights and all("lora_" in name for name in weights)  # the adapter, not the base
+    adapter = st_load(checkpoint / "adapter_model.safetensors")  # peft's model folder: the adapter alone too
+    assert adapter and all("lora_" in name for name in adapter)
     assert manifest["frozen_base"]["algorithm"] == "sha256" and manifest["frozen_base"]["parameters"] > 0
     # the whole training checkpoint against one holding the full model's weights instead
     whole = tmp_path / "whole.safetensors"
@@ -155,7 +159,7 @@ def test_lora_checkpoints_hold_only_what_trains_and_resume_bit_exact(tmp_path: P
 
     st.save_model(lora(), str(whole))
     size = sum(f.stat().st_size for f in checkpoint.iterdir())
-    full_model_checkpoint = size - (checkpoint / "model.safetensors").stat().st_size + whole.stat().st_size
+    full_model_checkpoint = size - (checkpoint / manifest["weights"]).stat().st_size + whole.stat().st_size
     assert size < 0.1 * full_model_checkpoint, (size, full_model_checkpoint)
     # resumed in a fresh Trainer from checkpoint-4: bit for bit the uninterrupted run
     resumed = _lora_trainer(tmp_path / "resumed")
