@@ -145,11 +145,8 @@ def save_checkpoint(
         # the log history's full segments are linked from the last save, not rewritten (history.py)
         state_files, history, linked = write_trainer_state(state, tmp, final)
         files |= state_files
-        processes = {"world_size": len(rng_states)} if len(rng_states) > 1 else {}
-        base = {"frozen_base": frozen_base} if frozen_base is not None else {}
-        only = {"model_only": True} if model_only else {}
-        listed = {"global_step": state.global_step, **processes, **base, **only, **history, **model_listed}
-        listed |= info or {}
+        listed = _manifest_fields(state.global_step, len(rng_states), frozen_base, model_only)
+        listed |= {**history, **model_listed, **(info or {})}
         cio.write_manifest(tmp, files, listed, entries=files)
         # every file and tmp's entries durable before the rename (a linked segment's data already is)
         cio.sync_files(tmp, [*(name for name in files if name not in linked), cio.MANIFEST])
@@ -159,6 +156,14 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _manifest_fields(global_step: int, world_size: int, frozen_base: Any, model_only: bool) -> dict[str, Any]:
+    """The manifest's own fields: the step, the world size, the frozen base, save_only_model."""
+    processes = {"world_size": world_size} if world_size > 1 else {}
+    base = {"frozen_base": frozen_base} if frozen_base is not None else {}
+    only = {"model_only": True} if model_only else {}
+    return {"global_step": global_step, **processes, **base, **only}
 
 
 def _write_model(
