@@ -8,6 +8,7 @@ names; ``resume_from_checkpoint=True`` never looks there, so it never resumes an
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -44,9 +45,20 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 def ckpt_files(root: Path) -> dict[str, bytes]:
-    """The checkpoints directly in root, file by file, less the files that name the directory."""
-    return {name: data for name, data in tree(root).items()
+    """The checkpoints directly in root, file by file, less the files that name the directory.
+
+    trainbus_state.json less its event_counts: a resumed run fires TRAIN_START and EPOCH_START once more.
+    """
+    return {name: _less_event_counts(name, data) for name, data in tree(root).items()
             if name.startswith("checkpoint-") and Path(name).name not in NAMING_THE_DIR}  # fmt: skip
+
+
+def _less_event_counts(name: str, data: bytes) -> bytes:
+    if Path(name).name != "trainbus_state.json":
+        return data
+    document = json.loads(data)
+    del document["state"]["event_counts"]
+    return json.dumps(document, sort_keys=True).encode()
 
 
 def trainer(out: Path, **kwargs: Any) -> Trainer:
