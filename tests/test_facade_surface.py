@@ -393,7 +393,7 @@ def test_save_only_model_checkpoints_hold_the_model_and_refuse_to_resume(tmp_pat
     trainer.train()
     newest = tmp_path / "checkpoint-4"
     assert sorted(p.name for p in newest.iterdir()) == [
-        "manifest.json", "model.safetensors", "trainer_state.json", "training_args.json",
+        "manifest.json", "model.safetensors", "trainbus_state.json", "trainer_state.json", "training_args.json",
     ]  # fmt: skip
     assert trainer.state.best_model_checkpoint is not None  # the best model still loads at the end
     fresh = Trainer(Regressor(), args, train_dataset=regression_data(16), eval_dataset=regression_data(8, seed=1))

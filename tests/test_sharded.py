@@ -138,7 +138,8 @@ def test_each_rank_writes_only_its_shard_of_a_checkpoint(fsdp_runs: tuple[Path, 
     model_only = two / "runs" / "sgd-k2" / "checkpoint-2"
     assert json.loads((model_only / "manifest.json").read_text())["model_only"] is True
     assert sorted(p.name for p in model_only.iterdir()) == [
-        "manifest.json", "model-rank0.safetensors", "model-rank1.safetensors", "shards.json", "trainer_state.json"
+        "manifest.json", "model-rank0.safetensors", "model-rank1.safetensors", "shards.json", "trainbus_state.json",
+        "trainer_state.json",
     ]  # fmt: skip
     # the slices put together in one process give the one-process checkpoint's model
     consolidated = st.load_file(str(consolidate_checkpoint(sharded, tmp_path / "consolidated")))
