@@ -24,7 +24,6 @@ import inspect
 import json
 import mmap
 import os
-import socket
 import stat
 from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
@@ -40,6 +39,7 @@ import xxhash
 from trainbus.engine import ConfigError
 
 from . import codec, tensor_reader
+from .launch import torchelastic_run as torchelastic_run  # re-exported: the launch a manifest records (launch.py)
 from .rng import rng_state as rng_state  # re-exported: a checkpoint's RNG states (rng.py)
 from .rng import set_rng_state as set_rng_state
 from .safety import MAX_JSON_BYTES, DamagedCheckpoint, damaged, parse_bounded_json, plain_name
@@ -355,20 +355,6 @@ def write_manifest(
     listed = {name: dict(entries[name]) if name in entries else file_entry(directory / name) for name in files}
     launch = {"torchelastic_run": run} if (run := torchelastic_run()) is not None else {}
     return write_json(directory / MANIFEST, {"format": FORMAT, "version": VERSION, **info, **launch, "files": listed})
-
-
-def torchelastic_run() -> str | None:
-    """The torchrun launch this process belongs to, the same across its restarts; None outside torchrun.
-
-    torchrun's ``--rdzv-id`` (a fresh uuid under ``--standalone``). Without one (``none``: a static
-    rendezvous), the agent that started this worker, host and pid: the restarts of a launch keep it
-    on the node of rank 0, which alone writes checkpoints. A checkpoint's manifest records it, so a
-    restarted worker knows the checkpoints its launch wrote (``resuming.resume_after_restart``).
-    """
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run is None:
-        return None
-    return run if run not in ("", "none") else f"{socket.gethostname()}:{os.getppid()}"
 
 
 # -- model weights --------------------------------------------------------------------------------
