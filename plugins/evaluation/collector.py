@@ -17,11 +17,9 @@ per-batch arrays instead of one padded array.
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,6 +42,7 @@ from trainbus.engine import (
 from trainbus.engine.errors import check_positive_int
 from trainbus.hooks import batch_size_of
 
+from .eval_pass import EvalPass, inputs_of, takes_compute_result
 from .predictions import (
     EvalLoopOutput,
     EvalPrediction,
@@ -79,25 +78,6 @@ __all__ = [
     "pad_concat",
     "prefix_metrics",
 ]
-
-
-@dataclass
-class _Pass:
-    """What one eval / predict pass has collected so far."""
-
-    prefix: str
-    started: float
-    layout: ShardLayout | None
-    batches: int = 0
-    samples: int = 0  # local samples seen (for the shard offset)
-    loss_sum: torch.Tensor | None = None  # on device; single-process loss only
-    loss_count: int = 0
-    rows: tuple[int | None, int | None] = (None, None)  # the loader's rows per batch and dataset rows (loader_rows)
-    device: dict[str, list[Any]] = field(default_factory=dict)  # name -> chunks not yet moved to the host
-    host: dict[str, list[Any]] = field(default_factory=dict)
-    positions: list[torch.Tensor] = field(default_factory=list)  # distributed: global position of every row
-    keep_outputs: bool = True  # False: batch_eval_metrics evaluation, predictions are not kept
-    pending: EvalPrediction | None = None  # batch_eval_metrics: the latest batch, not yet passed on
 
 
 class EvalCollector(Plugin):
@@ -157,7 +137,7 @@ class EvalCollector(Plugin):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"{name} must be a function or None, got {type(fn).__name__}")
         check_positive_int("eval_accumulation_steps", eval_accumulation_steps, allow_none=True)
-        if batch_eval_metrics and compute_metrics is not None and not _takes_compute_result(compute_metrics):
+        if batch_eval_metrics and compute_metrics is not None and not takes_compute_result(compute_metrics):
             raise ConfigError(
                 "batch_eval_metrics=True calls compute_metrics(eval_prediction, compute_result=...) on every batch; "
                 f"{getattr(compute_metrics, '__name__', compute_metrics)!r} takes no compute_result argument: add "
@@ -174,7 +154,7 @@ class EvalCollector(Plugin):
         self.input_name = input_name
         self.padding_index = padding_index
         self.last: EvalLoopOutput | None = None
-        self._pass: _Pass | None = None
+        self._pass: EvalPass | None = None
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.EVAL_START, self.eval_start)
@@ -224,7 +204,7 @@ class EvalCollector(Plugin):
             raise ConfigError(f"the {prefix!r} dataset is empty (length 0): evaluation needs at least one batch")
         keep = keep_outputs or not (self.batch_eval_metrics and self.compute_metrics is not None)
         layout, rows = ShardLayout.of(dataloader), loader_rows(dataloader)
-        self._pass = _Pass(prefix, time.perf_counter(), layout, keep_outputs=keep, rows=rows)
+        self._pass = EvalPass(prefix, time.perf_counter(), layout, keep_outputs=keep, rows=rows)
 
     def _trim_padding(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap ``prediction_step`` to run only the real samples of a batch padded by a DistributedSampler.
@@ -273,7 +253,7 @@ class EvalCollector(Plugin):
             parts["predictions"] = logits
             parts["label_ids"] = labels
             if self.include_inputs:
-                parts["inputs"] = _inputs_of(batch, self.input_name)
+                parts["inputs"] = inputs_of(batch, self.input_name)
         parts = {k: v for k, v in parts.items() if v is not None}
         if run.layout is not None:
             parts = select_rows(parts, slice(0, real))  # no-op when prediction_step already trimmed
@@ -294,7 +274,7 @@ class EvalCollector(Plugin):
         if self.eval_accumulation_steps and run.batches % self.eval_accumulation_steps == 0:
             self._move_to_host(run)
 
-    def _batch_metrics(self, run: _Pass, batch: Any, parts: dict[str, Any], positions: torch.Tensor | None) -> None:
+    def _batch_metrics(self, run: EvalPass, batch: Any, parts: dict[str, Any], positions: torch.Tensor | None) -> None:
         """Pass the previous batch to compute_metrics and hold this one (the last gets compute_result=True)."""
         predictions, label_ids = parts.get("predictions"), parts.get("label_ids")
         if predictions is None or label_ids is None:
@@ -312,7 +292,7 @@ class EvalCollector(Plugin):
         metrics_fn: Callable[..., Any] = self.compute_metrics  # type: ignore[assignment]
         return metrics_fn(prediction, compute_result=compute_result)
 
-    def _move_to_host(self, run: _Pass) -> None:
+    def _move_to_host(self, run: EvalPass) -> None:
         for name, chunks in run.device.items():
             if not chunks:
                 continue
@@ -363,7 +343,7 @@ class EvalCollector(Plugin):
         self.last = EvalLoopOutput(predictions, label_ids, metrics, num_samples)
         return self.last
 
-    def _dataset_order(self, arrays: dict[str, Any], run: _Pass) -> tuple[dict[str, Any], int]:
+    def _dataset_order(self, arrays: dict[str, Any], run: EvalPass) -> tuple[dict[str, Any], int]:
         """The gathered rows without padding duplicates, in data-set order; and how many there are.
 
         Per-batch lists (``concat_batches=False``) are ordered within each batch: a gathered batch
@@ -384,21 +364,3 @@ class EvalCollector(Plugin):
             for name, chunks in arrays.items()
         }
         return ordered, sum(int(rows.numel()) for rows in orders)
-
-
-def _takes_compute_result(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` accepts a ``compute_result`` keyword (named, or through ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (some builtins): let the call tell
-        return True
-    return any(p.name == "compute_result" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _inputs_of(batch: Any, input_name: str) -> Any:
-    """The model inputs of a batch, as HF's ``include_for_metrics=["inputs"]`` takes them."""
-    if isinstance(batch, Mapping):
-        return batch.get(input_name)
-    if isinstance(batch, list | tuple) and batch:
-        return batch[0]
-    return batch if isinstance(batch, torch.Tensor) else None
