@@ -43,6 +43,7 @@ from .argument_checks import (
     report_to_list,
 )
 from .argument_processes import ParallelMode, ProcessArguments
+from .argument_schedules import check_best_model, check_steps
 
 
 @dataclass
@@ -214,9 +215,9 @@ class TrainingArguments(ProcessArguments):
         self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
         check_compile_settings(self)
         check_numbers(self)
-        self._check_steps()
+        check_steps(self)
         check_lr_scheduler(self)
-        self._check_best_model()
+        check_best_model(self)
         if self.fp16 and self.bf16:
             raise ConfigError("at most one of fp16 and bf16 can be True, got both")
         if self.fp16_full_eval and self.bf16_full_eval:
@@ -286,53 +287,6 @@ class TrainingArguments(ProcessArguments):
             self.fsdp_plugin_args = fsdp_from_accelerate_launch()
         #: accelerate's DeepSpeedPlugin, its "auto" values filled from these arguments (None: no DeepSpeed)
         self.deepspeed_plugin = deepspeed_plugin_for(self) if self.fsdp_plugin_args is None else None
-
-    def _check_steps(self) -> None:
-        if self.eval_strategy == IntervalStrategy.STEPS and not self.eval_steps:
-            if self.logging_steps > 0:
-                self.eval_steps = self.logging_steps  # HF falls back to logging_steps
-            else:
-                raise ConfigError("eval_strategy='steps' needs eval_steps > 0 or logging_steps > 0")
-        for name, strategy in (
-            ("logging_steps", self.logging_strategy),
-            ("eval_steps", self.eval_strategy),
-            ("save_steps", self.save_strategy),
-        ):
-            value = getattr(self, name)
-            if strategy != "steps":
-                continue
-            if value is None or not value > 0:
-                raise ConfigError(f"{name} must be > 0 with {name.replace('steps', 'strategy')}='steps', got {value!r}")
-            if value > 1:
-                if value != int(value):
-                    raise ConfigError(f"{name} must be an integer when > 1 (a float < 1 is a ratio), got {value!r}")
-                setattr(self, name, int(value))
-
-    def _check_best_model(self) -> None:
-        if self.load_best_model_at_end and self.metric_for_best_model is None:
-            self.metric_for_best_model = "loss"
-        if self.greater_is_better is None and self.metric_for_best_model is not None:
-            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
-        if self.save_strategy == SaveStrategy.BEST and self.metric_for_best_model is None:
-            raise ConfigError("save_strategy='best' needs metric_for_best_model (e.g. 'loss' or 'accuracy')")
-        if not self.load_best_model_at_end or self.save_strategy == SaveStrategy.BEST:
-            return
-        if self.eval_strategy == IntervalStrategy.NO:
-            raise ConfigError("load_best_model_at_end=True needs an eval_strategy other than 'no'")
-        evals, saves = IntervalStrategy(self.eval_strategy).value, SaveStrategy(self.save_strategy).value
-        if evals != saves:
-            raise ConfigError(
-                "load_best_model_at_end requires the save and eval strategy to match (or save_strategy='best'), "
-                f"got eval_strategy={evals!r}, save_strategy={saves!r}"
-            )
-        if self.eval_strategy == IntervalStrategy.STEPS:
-            assert self.eval_steps is not None
-            ratio = self.save_steps / self.eval_steps
-            if abs(ratio - round(ratio)) > 1e-9 or round(ratio) < 1:
-                raise ConfigError(
-                    "load_best_model_at_end requires save_steps to be a multiple of eval_steps, "
-                    f"got save_steps={self.save_steps}, eval_steps={self.eval_steps}"
-                )
 
     # -- HF conveniences ------------------------------------------------------------------------
     @property
