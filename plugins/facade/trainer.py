@@ -9,7 +9,8 @@ Subclass overrides of ``compute_loss``, ``training_step``, ``prediction_step``, 
 
 The methods live with their ideas, as mixins: the step hooks and HF's step methods (``step_hooks.py``),
 the dataloaders (``dataloaders.py``), the optimizer and scheduler (``optimizer_setup.py``), the
-script helpers (``utilities.py``); ``save_model`` is ``saving.py``, the plugins are ``composition.py``'s.
+script helpers (``utilities.py``), the process side (``trainer_processes.py``); ``save_model`` is
+``saving.py``, the plugins are ``composition.py``'s.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from ..distributed.batch_size import train_with_executable_batch_size
 from ..evaluation.collector import PredictionOutput
 from ..observability.flos import FloCounter
 from ..observability.memory import MemoryMetrics
-from ..observability.tracker_base import TrackerSink
 from ..optimization.schedulers import LRScheduler
 from .arguments import TrainingArguments
 from .callbacks import CallbackAdapter
@@ -59,11 +59,19 @@ from .search import hyperparameter_search as _hyperparameter_search
 from .step_hooks import TrainerStepHooks
 from .subclass_surface import MemoryTracker, TrainerInternals
 from .trainer_checks import check_eval_set, check_model, check_train_kwargs, check_trainer_arguments, model_from_init
+from .trainer_processes import TrainerProcesses
 from .utilities import TrainerUtilities
 
 
 class Trainer(
-    TrainerCheckpointing, TrainerInternals, TrainerStepHooks, TrainerData, TrainerOptimizers, TrainerUtilities, Engine
+    TrainerProcesses,
+    TrainerCheckpointing,
+    TrainerInternals,
+    TrainerStepHooks,
+    TrainerData,
+    TrainerOptimizers,
+    TrainerUtilities,
+    Engine,
 ):
     """HF's ``Trainer`` API over a trainbus Engine; every feature is a plugin chosen from ``args``.
 
@@ -122,14 +130,7 @@ class Trainer(
         self.processing_class = processing_class
         self.compute_loss_func = compute_loss_func
         self.compute_metrics = compute_metrics
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.data_collator = data_collator or (
-            DataCollatorWithPadding(processing_class) if pads_batches(processing_class) else default_data_collator
-        )
-        if args.eval_strategy != "no" and eval_dataset is None:
-            raise ConfigError(f"eval_strategy={args.eval_strategy.value!r} needs an eval_dataset; none was given")
-        check_train_dataset(train_dataset, args.max_steps)  # the loader itself is made by train(), as in HF
-        check_eval_set(eval_dataset)  # an empty one fails now, not at the first evaluation
+        self._set_data(train_dataset, eval_dataset, data_collator)
         # several processes: made before the train loader, so the plan below counts global batches
         self.distributed = distributed_plugin(args)
         self._train_batch_size = args.train_batch_size  # auto_find_batch_size may lower it
@@ -154,6 +155,18 @@ class Trainer(
         self.callback_handler.init_end(self)
 
     # -- composition helpers ----------------------------------------------------------------------
+    def _set_data(self, train_dataset: Any, eval_dataset: Any, data_collator: Callable[..., Any] | None) -> None:
+        """The datasets and the collator (HF's default for the processing class), both sets checked now."""
+        args, processing_class = self.args, self.processing_class
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.data_collator = data_collator or (
+            DataCollatorWithPadding(processing_class) if pads_batches(processing_class) else default_data_collator
+        )
+        if args.eval_strategy != "no" and eval_dataset is None:
+            raise ConfigError(f"eval_strategy={args.eval_strategy.value!r} needs an eval_dataset; none was given")
+        check_train_dataset(train_dataset, args.max_steps)  # the loader itself is made by train(), as in HF
+        check_eval_set(eval_dataset)  # an empty one fails now, not at the first evaluation
+
     def _prepare_model(self, model: torch.nn.Module | None, model_init: Callable[..., Any] | None) -> torch.nn.Module:
         """Log level, seeds, the model (from ``model_init`` if none), checked and on the device (HF's order),
         and what the facade reads from it: label names, loss kwargs, the items its loss averages over."""
@@ -357,28 +370,6 @@ class Trainer(
         """
         save_final_model(self, output_dir)
 
-    @property
-    def accelerator(self) -> Any:
-        """accelerate's ``Accelerator`` (HF scripts call its is_main_process, gather_for_metrics, print, ...).
-
-        Under several processes it is the one the Distributed plugin runs; in one process one is made
-        on first use (the Trainer itself does not need it there).
-        """
-        if self.distributed is not None:
-            return self.distributed.accelerator_for(self)
-        if "_accelerator" not in self.__dict__:
-            from accelerate import Accelerator
-
-            accelerator = Accelerator(cpu=self.args.device.type == "cpu")
-            self.__dict__["_accelerator"] = self._backward_through_hooks(accelerator)
-        return self.__dict__["_accelerator"]
-
-    @property
-    def model_wrapped(self) -> torch.nn.Module:
-        """The model as training runs it: its DDP wrapper or DeepSpeed engine, else the model itself (HF)."""
-        wrapper = None if self.distributed is None else self.distributed.wrapped_model()
-        return self.model if wrapper is None else wrapper
-
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Log ``logs`` (adds ``epoch``, appends to ``state.log_history``, calls on_log)."""
         super().log(logs)
@@ -397,17 +388,6 @@ class Trainer(
 
     def remove_callback(self, callback: Any) -> None:
         self.pop_callback(callback)
-
-    def end(self) -> None:
-        """The end of a script (transformers 5.18): the trackers finished, the process group destroyed.
-
-        Call it once, after everything that needs the other processes (train, evaluate, predict, save_model).
-        """
-        for plugin in self.plugins:
-            if isinstance(plugin, TrackerSink):
-                plugin._finish()  # runs finish at train end already; one an evaluate() reopened finishes here
-        if self.distributed is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            self.accelerator.end_training()
 
 
 # transformers' methods trainbus does not have: calling one says what to use (an override is refused earlier)
