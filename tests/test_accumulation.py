@@ -327,7 +327,15 @@ def _ddp_train(rank: int) -> dict[str, Any]:
 
 def test_ddp_syncs_once_per_window_and_equals_one_process() -> None:
     with tempfile.TemporaryDirectory() as out:
-        run_processes(_ddp_worker, (free_port(), out))
+        try:
+            run_processes(_ddp_worker, (free_port(), out))
+        except torch.multiprocessing.ProcessExitedException as exit_error:
+            # gloo's teardown still aborts a rank now and then under a loaded machine (SIGABRT, "terminate called
+            # without an active exception") after both ranks wrote their results: what this test checks is
+            # written by then; any other exit, or a missing result, still fails
+            written = all(os.path.exists(os.path.join(out, f"rank{rank}.json")) for rank in range(2))
+            if "SIGABRT" not in str(exit_error) or not written:
+                raise
         results = []
         for rank in range(2):
             with open(os.path.join(out, f"rank{rank}.json")) as f:
