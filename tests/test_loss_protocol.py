@@ -147,7 +147,7 @@ def test_the_protocol_is_read_from_the_model() -> None:
     rows = {family: uneven_rows(family)[:2] for family in FAMILIES}
     batches = {f: {k: torch.stack([r[k] for r in rs]) for k in rs[0]} for f, rs in rows.items()}
     measured = {f: divides_by_items(FAMILIES[f](), batches[f], 5) for f in FAMILIES}
-    assert all(accepts_loss_kwargs(FAMILIES[f]()) for f in FAMILIES)
+    assert accepts_loss_kwargs(gpt2()) and accepts_loss_kwargs(llama())  # on every supported release
     assert measured == {"gpt2": True, "llama": True, "t5": False, "bert_mlm": False, "bert_tokens": False}
     # what transformers counts: a labels tensor; a detection model's list of dicts is never counted
     assert counted_by_transformers(batches["gpt2"])

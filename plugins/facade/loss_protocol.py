@@ -82,6 +82,8 @@ def divides_by_items(model: Any, batch: Any, count: Any) -> bool | None:
     ratio): the caller then keeps transformers' assumption.
     """
     model = unwrap_model(model)
+    if not accepts_loss_kwargs(model):  # transformers passes it no count (T5 on transformers 4.x): nothing to divide
+        return False
     if not counted_by_transformers(batch) or not (isinstance(count, torch.Tensor) or count):
         return None
     count = torch.as_tensor(count, device=_labels_of(batch).device)

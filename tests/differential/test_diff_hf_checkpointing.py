@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import transformers
 from hf_diff import (
     RegressionPreTrainedModel,
     assert_same_weights,
@@ -151,6 +152,10 @@ def test_trainer_state_json_read_by_transformers__mirrors_test_resume_training_w
     assert tb == hf, tb
 
 
+@pytest.mark.skipif(
+    transformers.__version__.startswith("4."),
+    reason="transformers 4.x resumes with the checkpoint's batch size; this is transformers 5's test",
+)
 def test_new_batch_size_on_resume__mirrors_test_resume_training_with_different_batch_size(tmp_path):
     """The second half: without auto_find_batch_size a resume trains with the new per-device batch size."""
 

@@ -9,12 +9,14 @@ is read back with its own class's ``from_pretrained``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import time
 
 import pytest
+import transformers
 from hf_diff import RegressionConfig, RegressionPreTrainedModel, checkpoint_names, regression_trainer, run_both
 
 
@@ -117,6 +119,10 @@ def test_collator_tokenizer_saved__mirrors_test_save_collator_tokenizer_by_defau
     assert tb == hf
 
 
+@pytest.mark.skipif(
+    "enable_jit_checkpoint" not in {f.name for f in dataclasses.fields(transformers.TrainingArguments)},
+    reason="transformers' JIT checkpoint came after this release",
+)
 def test_checkpoint_on_sigterm__mirrors_JITCheckpointTest(tmp_path):
     """enable_jit_checkpoint: a SIGTERM during training ends it early with a complete checkpoint, from which a
     resume ends on the uninterrupted run's weights. transformers waits its kill_wait (3 s) before it saves;
