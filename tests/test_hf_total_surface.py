@@ -262,9 +262,6 @@ def _constructed(tmp_path: Path, **extra: Any) -> tuple[Any, Any]:
 
 #: attributes whose plain value differs on purpose, with the reason
 VALUE_DIFFERENCES = {
-    # transformers fills it in _set_signature_columns_if_needed (None before); trainbus reads the forward's
-    # parameters whenever it is asked, so a copied body finds the list without that call
-    "_signature_columns",
     # "off": transformers 4.57 and 5.0 set False when the Trainer is built, 5.24 leaves None until train()
     "is_fsdp_xla_enabled",
     "is_fsdp_xla_v1_enabled",

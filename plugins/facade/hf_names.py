@@ -53,6 +53,8 @@ HONOURED: dict[str, str] = {
     "get_decay_parameter_names": "create_optimizer(): the weight-decay group",
     "log": "every log record (steps, evaluations, the train summary)",
     "floating_point_ops": "every micro-batch (total_flos)",
+    "_set_signature_columns_if_needed": "_remove_unused_columns / _get_collator_with_removed_columns, before they read "
+    "_signature_columns (a subclass may set its own columns there)",
     "_evaluate": "every scheduled evaluation; the metrics it returns decide the best checkpoint, save_strategy="
     "'best' and early stopping (also when patched on the instance, as transformers' tests do)",
     "load_generation_config": "Seq2SeqTrainer's constructor, for a generation_config argument",
@@ -120,7 +122,6 @@ REFUSED: dict[str, str] = {
     "store_flos": "floating_point_ops (total_flos is summed by the FloCounter plugin)",
     "_update_auto_batch_size": "auto_find_batch_size",
     # data loading internals
-    "_set_signature_columns_if_needed": "remove_unused_columns / label_names, or the data collator",
     "_prepare_context_parallel_inputs": "trainbus has no context parallelism",
     # checkpoints: the Checkpointing plugin writes and reads them (safetensors and JSON, verified)
     "_get_output_dir": "args.output_dir (checkpoints are args.output_dir/checkpoint-N; a search trial's args are "

@@ -86,6 +86,8 @@ class TrainerInternals:
     _fail: Any
     _with: Any
     callback_handler: Any
+    _signature_columns: list[str] | None  # TrainerData's (transformers': set by _set_signature_columns_if_needed)
+    _set_signature_columns_if_needed: Any
 
     #: HF attributes a copied body reads; trainbus has no apex, no model parallelism, no hub search backend
     use_apex = False
@@ -192,17 +194,12 @@ class TrainerInternals:
         """The batch on the device; an empty one is a ValueError naming the columns the model takes (HF)."""
         inputs = self._prepare_input(inputs)
         if len(inputs) == 0:
+            self._set_signature_columns_if_needed()
             raise ValueError(
                 "The batch received was empty, your model won't be able to train on it. Double-check that your "
-                f"training dataset contains keys expected by the model: {','.join(self._signature_columns)}."
+                f"training dataset contains keys expected by the model: {','.join(self._signature_columns or [])}."
             )
         return inputs
-
-    @property
-    def _signature_columns(self) -> list[str]:
-        from ..data.loading import signature_columns
-
-        return list(signature_columns(self._model_for_columns, self.label_names_arg))
 
     def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
         """Move ``model`` to ``device`` unless it is spread over several devices already (HF)."""
