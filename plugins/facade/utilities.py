@@ -12,7 +12,6 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import torch
 
 from trainbus.engine import ConfigError
 
-from ..distributed.processes import all_reduce_sum, collective_device, world_size
 from ..evaluation.collector import EvalLoopOutput
 from ..observability.flos import FloCounter
 from ..optimization.optimizers import get_decay_parameter_names, optimizer_cls_and_kwargs
@@ -226,26 +224,6 @@ class TrainerUtilities:
     ) -> contextlib.AbstractContextManager[Any]:
         """HF returns a null context and lets accelerate autocast; trainbus's MixedPrecision plugin does."""
         return contextlib.nullcontext()
-
-    def get_batch_samples(
-        self, epoch_iterator: Iterator[Any], num_batches: int, device: Any = None
-    ) -> tuple[list, Any]:
-        """Up to ``num_batches`` batches and their items (labels not -100) summed: HF's ``num_items_in_batch``."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        if not batches:
-            return batches, None
-        counts = [self._count_items(batch) for batch in batches]
-        items: Any = sum(counts[1:], counts[0])
-        if world_size() > 1 and self.args.average_tokens_across_devices:
-            items = all_reduce_sum(torch.as_tensor(items, device=collective_device()))
-        if device is not None and isinstance(items, torch.Tensor):
-            items = items.to(device)
-        return batches, items
 
     # -- what trainbus does not do ----------------------------------------------------------------
     @property
