@@ -190,14 +190,17 @@ def _is_trainbus_class(cls: type) -> bool:
 
 def refused_overrides(cls: type) -> list[tuple[str, str]]:
     """``(class.method, what to use)`` for each method a class outside trainbus defines that trainbus refuses."""
-    found = []
-    for klass in cls.__mro__:
-        if _is_trainbus_class(klass) or klass.__module__.startswith("transformers"):
-            continue
-        for name in vars(klass):
-            if name in REFUSED and f"{klass.__name__}.{name}" not in {f for f, _ in found}:
-                found.append((f"{klass.__qualname__}.{name}", REFUSED[name]))
-    return found
+    return [(f"{klass.__qualname__}.{name}", REFUSED[name]) for klass in _user_classes(cls) for name in vars(klass)
+            if name in REFUSED]  # fmt: skip
+
+
+def _user_classes(cls: type) -> list[type]:
+    """The classes of ``cls``'s hierarchy that are neither trainbus's nor transformers' (the script's own)."""
+    return [
+        klass
+        for klass in cls.__mro__
+        if not _is_trainbus_class(klass) and not klass.__module__.startswith("transformers")
+    ]
 
 
 def check_overrides(cls: type) -> None:
@@ -221,13 +224,8 @@ def check_sharded_overrides(cls: type, args: Any) -> None:
     sharded = "fsdp" if getattr(args, "fsdp", None) else "deepspeed" if getattr(args, "deepspeed", None) else None
     if sharded is None:
         return
-    overridden = [
-        f"{klass.__qualname__}.{name}"
-        for klass in cls.__mro__
-        if not _is_trainbus_class(klass) and not klass.__module__.startswith("transformers")
-        for name in NOT_UNDER_SHARDING
-        if name in vars(klass)
-    ]
+    classes = _user_classes(cls)
+    overridden = [f"{k.__qualname__}.{name}" for k in classes for name in NOT_UNDER_SHARDING if name in vars(k)]
     if overridden:
         raise ConfigError(
             f"{', '.join(overridden)}: with {sharded} trainbus writes and reads sharded checkpoints itself and would "

@@ -91,6 +91,7 @@ class TrainerStepHooks:
             self.on(Event.LOG, self._log_through_override, priority=Priority.PRODUCER.after("*"), name="Trainer.log")
 
     _window_handle: Any = None
+    _accumulation: Any = None  # this run's GradientAccumulation plugin, found once per run (_plan_protocol)
 
     def _plan_protocol(self, ev: Any) -> None:
         """Each run: whether a window's loss may come back normalised, so that its weighing depends on it.
@@ -98,7 +99,7 @@ class TrainerStepHooks:
         override's, of a model taking loss kwargs); the default run pays nothing per step."""
         self._model_divides = None  # measured again: train() may have a new model (model_init)
         self._window_scaled = False
-        accumulation = self.get_plugin(GradientAccumulation)  # type: ignore[attr-defined]
+        self._accumulation = accumulation = self.get_plugin(GradientAccumulation)  # type: ignore[attr-defined]
         weighs = accumulation is not None or self.overrides("training_step")
         needed = weighs and self.model_accepts_loss_kwargs and self.loss_is_scaled_for_ga is None
         if needed and self.compute_loss_func is None and self._window_handle is None:
@@ -119,7 +120,7 @@ class TrainerStepHooks:
             return  # declared by the subclass, or a compute_loss_func divides (HF)
         first = ev.batches[0]
         scaled = bool(self.model_accepts_loss_kwargs) and counted_by_transformers(first)
-        accumulation = self.get_plugin(GradientAccumulation)  # type: ignore[attr-defined]
+        accumulation = self._accumulation  # per step: no lookup over the plugins
         weighs = accumulation is not None or (self.overrides("training_step") and len(ev.batches) > 1)
         if scaled and weighs:
             if self._model_divides is None:
