@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import os
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -112,3 +113,27 @@ def check_positive_int(name: str, value: object, *, allow_none: bool = False, mi
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_flag(name: str, value: object, *, allow_none: bool = False) -> None:
+    """Raise ConfigTypeError naming ``name`` unless ``value`` is True or False (or None when allowed)."""
+    if isinstance(value, bool) or (value is None and allow_none):
+        return
+    allowed = "True, False or None" if allow_none else "True or False"
+    raise ConfigTypeError(f"{name} must be {allowed}, got {value!r:.80} ({type(value).__name__})")
+
+
+def check_callable(name: str, value: object, what: str, *, allow_none: bool = True) -> None:
+    """Raise ConfigTypeError naming ``name`` unless ``value`` is callable (or None when allowed); ``what`` says how."""
+    if callable(value) or (value is None and allow_none):
+        return
+    none = " or None" if allow_none else ""
+    raise ConfigTypeError(f"{name} must be {what}{none}, got {value!r:.80} ({type(value).__name__})")
+
+
+def check_path(name: str, value: object) -> None:
+    """Raise ConfigTypeError naming ``name`` unless ``value`` is a non-empty path (a str or an os.PathLike)."""
+    if isinstance(value, str | os.PathLike) and os.fspath(value) != "":
+        return
+    raise ConfigTypeError(f"{name} must be a path (a non-empty str or pathlib.Path), got {value!r:.80} "
+                          f"({type(value).__name__})")  # fmt: skip

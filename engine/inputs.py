@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, ConfigTypeError, check_callable, check_flag
 
 _OPTIMIZER_PROTOCOL = ("step", "zero_grad", "param_groups")
 
@@ -39,3 +40,63 @@ def check_optimizer(optimizer: Any) -> None:
             f"optimizer must be a torch.optim.Optimizer (or have {', '.join(_OPTIMIZER_PROTOCOL)}), got "
             f"{optimizer!r} of type {type(optimizer).__name__}, which has no {', '.join(missing)}"
         )
+
+
+def _kind(value: object) -> str:
+    return type(value).__name__
+
+
+def check_data(name: str, data: Any, *, named: bool = False) -> None:
+    """A ConfigError unless ``data`` is None or an iterable of batches (``named``: or a dict of such by name).
+
+    A str or bytes iterates its characters, a dict its keys, a number not at all: each fails here, naming
+    the value, instead of inside the model's forward or as "no length".
+    """
+    if data is None:
+        return
+    if named and isinstance(data, Mapping):
+        for key, subset in data.items():
+            if not isinstance(key, str):
+                raise ConfigTypeError(
+                    f"{name} as a dict maps set names (str) to data, got the key {key!r} ({_kind(key)})"
+                )
+            check_data(f"{name}[{key!r}]", subset)
+        return
+    iterable = hasattr(type(data), "__iter__") or hasattr(type(data), "__getitem__")
+    if not iterable or isinstance(data, str | bytes | Mapping):
+        allowed = "an iterable of batches (a DataLoader, a list of batches, an IterableDataset)"
+        if named:
+            allowed += " or a dict of such by name"
+        raise ConfigTypeError(f"{name} must be {allowed}, got {data!r:.80} ({_kind(data)})")
+
+
+def check_label_names(label_names: Any) -> tuple[str, ...]:
+    """``label_names`` as a tuple of str; a ConfigError for a bare str (its characters) or anything else."""
+    if isinstance(label_names, str) or not isinstance(label_names, Iterable):
+        hint = f" (one str: write ({label_names!r},))" if isinstance(label_names, str) else f" ({_kind(label_names)})"
+        raise ConfigTypeError(
+            f"label_names must be a list or tuple of str, e.g. ('labels',), got {label_names!r:.80}{hint}"
+        )
+    names = tuple(label_names)
+    wrong = [name for name in names if not isinstance(name, str)]
+    if wrong:
+        raise ConfigTypeError(f"label_names must hold str only, got {wrong[0]!r} ({_kind(wrong[0])}) in {names!r:.80}")
+    return names
+
+
+def check_plugins(plugins: Any) -> list[Any]:
+    """``plugins`` as a list; a ConfigError for one plugin given bare, or for anything not iterable."""
+    if hasattr(plugins, "attach"):
+        raise ConfigTypeError(f"plugins must be a list of trainbus Plugins, got one {_kind(plugins)}: pass [it]")
+    if isinstance(plugins, str) or not isinstance(plugins, Iterable):
+        raise ConfigTypeError(f"plugins must be a list of trainbus Plugins, got {plugins!r:.80} ({_kind(plugins)})")
+    return list(plugins)
+
+
+def check_engine_arguments(loss_fn: Any, trace: Any, eval_data: Any) -> None:
+    """The Engine's arguments that only need a look (the others are converted where they are stored)."""
+    check_callable(
+        "loss_fn", loss_fn, "a callable loss_fn(prediction, labels) -> scalar tensor (e.g. torch.nn.MSELoss())"
+    )
+    check_flag("trace", trace)
+    check_data("eval_data", eval_data, named=True)

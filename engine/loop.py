@@ -40,7 +40,14 @@ from .events import (
     TrainEndEvent,
     TrainStartEvent,
 )
-from .inputs import check_device, check_optimizer
+from .inputs import (
+    check_data,
+    check_device,
+    check_engine_arguments,
+    check_label_names,
+    check_optimizer,
+    check_plugins,
+)
 from .lifecycle import Lifecycle, OpenEnd
 from .passes import Passes
 from .plugin import Plugin
@@ -129,11 +136,13 @@ class Engine(Passes, Assembly, Lifecycle):
         if hooks is not None and not isinstance(hooks, Hooks):
             raise ConfigError(f"hooks must be a trainbus.hooks.Hooks, got {type(hooks).__name__}")
         check_optimizer(optimizer)
+        check_engine_arguments(loss_fn, trace, eval_data)
+        plugins = check_plugins(plugins)
         self.model = model
         self.optimizer = optimizer
         self.max_epochs = max_epochs
         self.max_steps = max_steps
-        self.label_names = tuple(label_names)
+        self.label_names = check_label_names(label_names)
         self.train_data = train_data
         self.eval_data = eval_data
         if device is None:
@@ -170,6 +179,7 @@ class Engine(Passes, Assembly, Lifecycle):
     @train_data.setter
     def train_data(self, data: Iterable[Any] | None) -> None:
         if data is not None:
+            check_data("train_data", data)
             length = data_length(data)
             if length == 0:
                 raise ConfigError("train_data is empty (length 0); it must yield at least one batch")

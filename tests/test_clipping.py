@@ -105,7 +105,7 @@ def test_value_clipping_bounds_every_element() -> None:
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), "1"])
 def test_bad_thresholds_fail_at_construction(bad: Any) -> None:
-    with pytest.raises(ConfigError, match="max_grad_norm must be a number >= 0"):
+    with pytest.raises(ConfigError, match="max_norm must be a number >= 0"):
         GradientClipping(max_norm=bad)
     with pytest.raises(ConfigError, match="clip_value"):
         GradientClipping(clip_value=bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainbus.engine import Composition, ConfigError
+from trainbus.engine.errors import ConfigTypeError, check_callable, check_flag
 
 from .output_dir_check import check_output_dir
 
@@ -36,6 +37,19 @@ def check_checkpointing_arguments(
     if strategy == "steps" and not _valid_save_steps(save_steps):
         raise ConfigError(f"save_steps must be an integer >= 1 or a float in (0, 1), got {save_steps!r}")
     return str(strategy)
+
+
+def check_checkpointing_options(
+    best_metric_key: Any, only_best_at_end: Any, save_only_model: Any, model_folder: Any
+) -> None:
+    """Checkpointing's other arguments: a ConfigError naming the first one of the wrong kind."""
+    if best_metric_key is not None and (not isinstance(best_metric_key, str) or not best_metric_key):
+        raise ConfigTypeError(
+            f"best_metric_key must be a metric name (e.g. 'eval_loss') or None, got {best_metric_key!r}"
+        )
+    check_flag("only_best_at_end", only_best_at_end)
+    check_flag("save_only_model", save_only_model)
+    check_callable("model_folder", model_folder, "a function model_folder(checkpoint_path) writing the model's files")
 
 
 def unscheduled_saves(composition: Composition) -> list[str] | None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from trainbus.engine import ConfigError, Engine, EvalEndEvent, Event, Plugin, Priority
-from trainbus.engine.errors import ConfigKeyError, suggest
+from trainbus.engine.errors import ConfigKeyError, check_flag, suggest
 
 __all__ = [
     "BestMetric",
@@ -95,6 +95,7 @@ class MetricWatch:
 
     def __init__(self, metric: str, greater_is_better: bool | None = None) -> None:
         self.key = resolve_metric_key(metric)
+        check_flag("greater_is_better", greater_is_better, allow_none=True)
         self.greater_is_better = greater_is_better_for(self.key) if greater_is_better is None else greater_is_better
         self.training = False
 
@@ -191,6 +192,7 @@ class BestMetric(MetricPlugin):
         self, metric_for_best_model: str = "loss", greater_is_better: bool | None = None, save_on_best: bool = False
     ) -> None:
         self.watch = MetricWatch(metric_for_best_model, greater_is_better)
+        check_flag("save_on_best", save_on_best)
         self.save_on_best = save_on_best
         self.improved = False
 

@@ -14,6 +14,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.engine.errors import ConfigTypeError, check_flag
 
 from .strategies import IntervalStrategy, SaveStrategy, check_strategy
 
@@ -60,6 +61,10 @@ class SaveSchedule:
             control.should_save = True  # a new best was just found
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+
+
 class FlowControl(Plugin):
     """Sets should_log / should_evaluate / should_save as HF's DefaultFlowCallback does.
 
@@ -104,8 +109,18 @@ class FlowControl(Plugin):
             ("eval_steps", eval_steps, self.eval_strategy),
             ("save_steps", save_steps, self.save_strategy),
         ):
+            if value is not None and not _is_number(value):
+                raise ConfigTypeError(
+                    f"{name} must be a number of steps (a float < 1: a ratio of max_steps), got {value!r}"
+                )
             if strategy == "steps" and (value is None or not value > 0):
                 raise ConfigError(f"{name} must be > 0 with a 'steps' strategy, got {value!r}")
+        if not _is_number(eval_delay) or eval_delay < 0:
+            raise ConfigError(
+                f"eval_delay must be a number >= 0 (steps, or epochs with eval_strategy='epoch'), got {eval_delay!r}"
+            )
+        check_flag("logging_first_step", logging_first_step)
+        check_flag("eval_on_start", eval_on_start)
         self.logging_steps = logging_steps
         self.logging_first_step = logging_first_step
         self.eval_steps = eval_steps

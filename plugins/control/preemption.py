@@ -30,7 +30,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.engine.errors import ConfigTypeError, check_flag
 
 from ..distributed.processes import world_size
 from . import worker_signals
@@ -87,6 +88,36 @@ class TrainingInterrupted(SystemExit):
         return f"training stopped by {name} at step {self.step} (the step boundary after the signal); {where}"
 
 
+def _named(signum: int) -> int:
+    try:
+        return signal.Signals(signum)
+    except ValueError:  # a real-time signal: a number without a name
+        return int(signum)
+
+
+def catchable_signals(signals: object) -> tuple[int, ...]:
+    """``signals`` as a tuple (``signal.Signals`` where named); a ConfigError naming any this process cannot catch."""
+    catchable = {int(s) for s in signal.valid_signals()} - {signal.SIGKILL, signal.SIGSTOP}
+    allowed = (
+        "signals this process can catch, such as signal.SIGTERM, signal.SIGINT or signal.SIGUSR1 (not SIGKILL, SIGSTOP)"
+    )
+    if isinstance(signals, int | str) or not isinstance(signals, Iterable):
+        raise ConfigTypeError(f"signals must be a list of {allowed}, got {signals!r:.80}")
+    found = []
+    for value in signals:
+        if isinstance(value, str) and hasattr(signal, "SIG" + value.upper().removeprefix("SIG")):
+            hint = f": write signal.SIG{value.upper().removeprefix('SIG')}"
+            raise ConfigTypeError(f"signals holds the str {value!r}{hint} (allowed are {allowed})")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigTypeError(f"signals holds {value!r:.80} ({type(value).__name__}): allowed are {allowed}")
+        if value not in catchable:
+            raise ConfigError(f"signals holds {value!r}, which this process cannot catch: allowed are {allowed}")
+        found.append(_named(value))
+    if not found:
+        raise ConfigError(f"signals is empty, so nothing could stop the run: give {allowed}, or leave Preemption out")
+    return tuple(found)
+
+
 class Preemption(Plugin):
     """Stop at the next step boundary on SIGTERM / a first SIGINT, save, raise ``TrainingInterrupted``.
 
@@ -130,8 +161,13 @@ class Preemption(Plugin):
             raise ConfigError(f"check_every must be a positive int or None, got {check_every!r}")
         if check_every is not None and check_every < 1:
             raise ConfigError(f"check_every must be a positive int or None, got {check_every!r}")
+        if not isinstance(resume_hint, str):
+            raise ConfigTypeError(
+                f"resume_hint must be a str (how the exit message says to resume), got {resume_hint!r}"
+            )
+        check_flag("return_after_stop", return_after_stop)
         self.check_every = check_every
-        self.signals = tuple(signals)
+        self.signals = catchable_signals(signals)
         self.resume_hint = resume_hint
         #: transformers' enable_jit_checkpoint: after the stop checkpoint, fit() returns (the script goes on)
         self.return_after_stop = return_after_stop

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainbus.engine import ConfigError, EvalEndEvent, Event, Plugin, Priority
+from trainbus.engine.errors import check_flag
 
 from .best_model import eval_prefixes
 
@@ -46,6 +47,7 @@ class TrialPruning(Plugin):
     def __init__(self, trial: Any, compute_objective: Callable[[dict[str, Any]], Any], *, report: bool = True) -> None:
         if not callable(compute_objective):
             raise ConfigError(f"compute_objective must be a function, got {type(compute_objective).__name__}")
+        check_flag("report", report)
         self.trial = trial
         self.compute_objective = compute_objective
         self.report = report

@@ -39,7 +39,7 @@ from trainbus.engine import (
     Priority,
     data_length,
 )
-from trainbus.engine.errors import check_positive_int
+from trainbus.engine.errors import check_flag, check_positive_int
 from trainbus.hooks import batch_size_of
 
 from .eval_pass import EvalPass, inputs_of, takes_compute_result
@@ -143,6 +143,10 @@ class EvalCollector(Plugin):
                 f"{getattr(compute_metrics, '__name__', compute_metrics)!r} takes no compute_result argument: add "
                 "one (True after the last batch: return the metrics then) or set batch_eval_metrics=False"
             )
+        for flag, value in (("prediction_loss_only", prediction_loss_only), ("include_inputs", include_inputs),
+                            ("include_losses", include_losses), ("batch_eval_metrics", batch_eval_metrics),
+                            ("concat_batches", concat_batches)):  # fmt: skip
+            check_flag(flag, value)
         self.batch_eval_metrics = batch_eval_metrics
         self.concat_batches = concat_batches
         self.compute_metrics = compute_metrics

@@ -10,6 +10,7 @@ per model; its hooks then see evaluation forwards too, as in HF), and detaching 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
@@ -65,11 +66,20 @@ class UnderflowOverflowDebug(Plugin):
         if isinstance(max_frames_to_save, bool) or not isinstance(max_frames_to_save, int) or max_frames_to_save < 1:
             raise ConfigError(f"max_frames_to_save must be an integer >= 1, got {max_frames_to_save!r}")
         if abort_after_batch_num is not None and (
-            isinstance(abort_after_batch_num, bool) or not isinstance(abort_after_batch_num, int)
+            isinstance(abort_after_batch_num, bool)
+            or not isinstance(abort_after_batch_num, int)
+            or abort_after_batch_num < 0
         ):
-            raise ConfigError(f"abort_after_batch_num must be an integer or None, got {abort_after_batch_num!r}")
+            raise ConfigError(f"abort_after_batch_num must be an integer >= 0 or None, got {abort_after_batch_num!r}")
         self._type = _tracer_type()  # fails here, at construction, when transformers is missing
         self.max_frames_to_save = max_frames_to_save
+        if trace_batch_nums is not None and (
+            isinstance(trace_batch_nums, str | int) or not isinstance(trace_batch_nums, Iterable)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in trace_batch_nums)
+        ):  # fmt: skip
+            raise ConfigError(
+                f"trace_batch_nums must be a list of batch numbers (ints >= 0) or None, got {trace_batch_nums!r}"
+            )
         self.trace_batch_nums = list(trace_batch_nums or [])
         self.abort_after_batch_num = abort_after_batch_num
         self.tracer: Any = None

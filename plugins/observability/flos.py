@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbus.engine import Event, Plugin, Priority
+from trainbus.engine.errors import check_callable
 
 from ..distributed.processes import all_reduce_sum, collective_device, world_size
 
@@ -52,6 +53,7 @@ class FloCounter(Plugin):
     """
 
     def __init__(self, flos_of: Callable[[Any], int] | None = None) -> None:
+        check_callable("flos_of", flos_of, "a function flos_of(batch) -> the batch's floating point operations")
         self.flos_of = flos_of
         #: FLOs counted since they were last added to ``state.total_flos`` (HF's ``current_flos``)
         self.current_flos = 0.0

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.engine.errors import check_path
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine, TrainEndEvent
@@ -120,6 +121,8 @@ class PlotCurves(Plugin):
             import matplotlib  # noqa: F401  (fail at construction, not after training)
         except ImportError as exc:
             raise ConfigError("PlotCurves needs matplotlib: pip install 'trainbus[plots]'") from exc
+        check_path("output_dir", output_dir)
+        check_path("filename", filename)
         self.path = Path(output_dir) / filename
         self.written: Path | None = None
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from trainbus.engine import Event, Plugin, Priority, data_length
+from trainbus.engine.errors import check_positive_int
 
 from .logging import ConsoleSink, format_logs
 
@@ -33,6 +34,7 @@ class ProgressBars(Plugin):
     priority = Priority.CONSUMER
 
     def __init__(self, max_str_len: int = 100, **tqdm_kwargs: Any) -> None:
+        check_positive_int("max_str_len", max_str_len, minimum=0)
         self.max_str_len = max_str_len
         self.tqdm_kwargs = {"dynamic_ncols": True, **tqdm_kwargs}
         self.training_bar: Any = None

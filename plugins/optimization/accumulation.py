@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
-from trainbus.engine.errors import check_positive_int
+from trainbus.engine.errors import ConfigTypeError, check_positive_int
 from trainbus.hooks import batch_size_of, get_labels
 
 from ..distributed.processes import all_reduce_sum, collective_device, world_size
@@ -111,7 +111,9 @@ class GradientAccumulation(Plugin):
     ) -> None:
         check_positive_int("gradient accumulation steps", steps)
         if count_items is not None and not callable(count_items):
-            raise TypeError(f"count_items must be callable, got {count_items!r}")
+            raise ConfigTypeError(
+                f"count_items must be callable (count_items(batch) -> items) or None, got {count_items!r}"
+            )
         if not isinstance(across_processes, bool):
             raise ConfigError(f"across_processes must be True or False, got {across_processes!r}")
         self.steps = steps
@@ -131,6 +133,8 @@ class GradientAccumulation(Plugin):
         self.window_items: Count = 0
         #: the loss is already normalised over the window by user code that divides by
         #: ``window_items`` (HF's ``loss_is_scaled_for_ga``): only the across-process factor applies
+        if not (isinstance(prescaled, bool) or callable(prescaled)):
+            raise ConfigTypeError(f"prescaled must be True, False or a function returning one, got {prescaled!r:.80}")
         self.prescaled = bool(prescaled) if not callable(prescaled) else False
         self._prescaled_source = prescaled if callable(prescaled) else None
 

@@ -58,9 +58,9 @@ class GradientClipping(Plugin):
         norm_type: float = 2.0,
         norm_when_off: bool = False,
     ) -> None:
-        _check_threshold("max_grad_norm", max_norm)
+        _check_threshold("max_norm", max_norm)
         _check_threshold("clip_value", clip_value)
-        if not (isinstance(norm_type, int | float) and norm_type > 0):
+        if isinstance(norm_type, bool) or not (isinstance(norm_type, int | float) and norm_type > 0):
             raise ConfigError(f"norm_type must be > 0 (or inf), got {norm_type!r}")
         self.max_norm = max_norm or None
         self.clip_value = clip_value or None

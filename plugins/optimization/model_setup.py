@@ -97,7 +97,7 @@ class TorchCompile(Plugin):
     """
 
     def __init__(self, **compile_kwargs: Any) -> None:
-        check_compile_mode(compile_kwargs.get("mode"))
+        check_compile_kwargs(compile_kwargs)
         self.compile_kwargs = compile_kwargs
 
     def attach(self, engine: Engine) -> None:
@@ -107,6 +107,29 @@ class TorchCompile(Plugin):
         # undo nn.Module.compile: it only stores the compiled call in this attribute
         engine.model._compiled_call_impl = None
         super().detach(engine)
+
+
+def check_compile_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """torch.compile's keywords (it checked them only when the model was compiled): names, flags, backend, mode."""
+    import inspect
+
+    known = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise ConfigTypeError(f"TorchCompile got {unknown[0]!r}, which torch.compile does not take; it takes {known}")
+    for flag in ("fullgraph", "disable"):
+        if flag in kwargs and not isinstance(kwargs[flag], bool):
+            raise ConfigTypeError(f"{flag} must be True or False, got {kwargs[flag]!r}")
+    if kwargs.get("dynamic") is not None and not isinstance(kwargs["dynamic"], bool):
+        raise ConfigTypeError(f"dynamic must be True, False or None, got {kwargs['dynamic']!r}")
+    backend = kwargs.get("backend")
+    if backend is not None and not (isinstance(backend, str) and backend) and not callable(backend):
+        raise ConfigTypeError(
+            f"backend must be a backend's name (e.g. 'inductor', 'eager') or a callable, got {backend!r}"
+        )
+    if kwargs.get("options") is not None and not isinstance(kwargs["options"], Mapping):
+        raise ConfigTypeError(f"options must be a dict of inductor options or None, got {kwargs['options']!r}")
+    check_compile_mode(kwargs.get("mode"))
 
 
 def check_compile_mode(mode: Any, name: str = "mode") -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
-from trainbus.engine.errors import check_positive_int, suggest
+from trainbus.engine.errors import ConfigTypeError, check_positive_int, suggest
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine
@@ -92,6 +92,11 @@ class MixedPrecision(Plugin):
         if dtype not in DTYPES:
             raise ConfigError(
                 f"unknown mixed precision {dtype!r}{suggest(dtype, DTYPES)}; allowed: {', '.join(DTYPES)}"
+            )
+        missing = [name for name in ("scale", "unscale_", "update") if not hasattr(scaler, name)]
+        if scaler is not None and missing:
+            raise ConfigTypeError(
+                f"scaler must be a torch.amp.GradScaler or None, got {scaler!r:.80} (no {missing[0]})"
             )
         if scaler is not None and DTYPES[dtype] != torch.float16:
             raise ConfigError(f"a loss scaler is for fp16 only; {dtype} needs none")

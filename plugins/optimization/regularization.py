@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
-from trainbus.engine.errors import ConfigTypeError
+from trainbus.engine.errors import ConfigTypeError, check_flag
 from trainbus.hooks import get_labels, model_output
 
 if TYPE_CHECKING:
@@ -90,6 +90,7 @@ class LabelSmoothing(Plugin):
             raise ConfigError(f"label smoothing epsilon must be in [0, 1), got {epsilon!r}")
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise ConfigTypeError(f"ignore_index must be an int (the label to skip, e.g. -100), got {ignore_index!r}")
+        check_flag("shift_labels", shift_labels, allow_none=True)
         self.epsilon = float(epsilon)
         self.shift_labels = shift_labels
         self.ignore_index = ignore_index
