@@ -18,13 +18,29 @@ from trainbus.hooks import to_device as default_to_device
 from .bus import EventBus
 from .composition import check_composition, check_order_targets
 from .errors import ConfigError, suggest
+from .events import EventType, P, event_by_name, is_built_in
 from .plugin import Plugin, check_state
+from .signatures import check_hook, check_wrapper, describe_callable
 from .state import State
 
 HookWrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 PluginT = TypeVar("PluginT", bound=Plugin)
 D = TypeVar("D")
 _REQUIRED: Any = object()  # get_plugin's default when none is given: an unknown name raises
+_DEFAULT_HOOKS = Hooks()
+
+
+class _Wrapping:
+    """The token ``wrap_hook`` returns: who wrapped, and whether the wrapper sits innermost."""
+
+    __slots__ = ("innermost", "owner")
+
+    def __init__(self, owner: str, innermost: bool) -> None:
+        self.owner = owner
+        self.innermost = innermost
+
+    def __repr__(self) -> str:
+        return f"<hook wrapper from {self.owner}{', innermost' if self.innermost else ''}>"
 
 
 class UnknownPluginError(ConfigError, LookupError):
@@ -45,38 +61,121 @@ class Assembly:
 
     # -- hooks ---------------------------------------------------------------------------------
     def set_hook(self, name: str, fn: Callable[..., Any]) -> None:
-        """Replace the base step function ``name``; wrappers from plugins stay around it."""
-        self._check_hook_name(name)
-        self._base_hooks = replace(self._base_hooks, **{name: fn})
-        self._compose_hooks()
+        """Replace the base step function ``name``; wrappers from plugins stay around it.
 
-    def wrap_hook(self, name: str, wrapper: HookWrapper) -> object:
+        ``fn`` must take the call the loop makes (``forward(model, batch)``, see ``HOOK_CALLS``):
+        checked now, so a wrong signature fails here naming the hook, not inside fit()."""
+        self._check_hook_name(name)
+        previous = self._base_hooks
+        self._base_hooks = replace(self._base_hooks, **{name: fn})
+        try:
+            self._compose_hooks()
+        except ConfigError:
+            self._base_hooks = previous
+            raise
+
+    def wrap_hook(
+        self, name: str, wrapper: HookWrapper, *, owner: str | None = None, innermost: bool = False
+    ) -> object:
         """Wrap hook ``name``: ``wrapper(inner) -> outer``. Later wrappers sit outside earlier ones.
+
+        So a wrapper added after the plugins attached (``Engine(plugins=...)`` then
+        ``engine.wrap_hook``) is the outermost: it runs before and after theirs, outside MixedPrecision's
+        autocast. ``innermost=True`` puts it right around the base function instead, inside every
+        other wrapper (several innermost ones: later outside earlier). ``owner`` names it in
+        ``describe_hooks()`` (a plugin's ``wrap_hook`` passes its name). The wrapper and the function
+        it returns are checked now against the call the loop makes; a mismatch raises ConfigError
+        naming the hook and the wrapper, and nothing is wrapped.
 
         Returns a token for ``unwrap_hook``. Removing a middle wrapper keeps the others intact.
         """
         self._check_hook_name(name)
-        token = object()
+        check_wrapper(name, wrapper, owner)
+        token = _Wrapping(owner or describe_callable(wrapper), innermost)
         self._wrappers.append((token, name, wrapper))
-        self._compose_hooks()
+        try:
+            self._compose_hooks()
+        except ConfigError:
+            self.unwrap_hook(token)
+            raise
         return token
 
     def unwrap_hook(self, token: object) -> None:
         self._wrappers = [w for w in self._wrappers if w[0] is not token]
         self._compose_hooks()
 
+    def describe_hooks(self) -> dict[str, list[str]]:
+        """Every hook -> its base function, then the wrappers around it from the innermost out
+        (named by their plugin, or the owner given to ``wrap_hook``)."""
+        layers = {name: [describe_callable(getattr(self._base_hooks, name))] for name in Hooks.names()}
+        for token, name, _wrapper in self._wrapping_order():
+            layers[name].append(token.owner if isinstance(token, _Wrapping) else "wrapper")
+        return layers
+
     def _check_hook_name(self, name: str) -> None:
         if name not in Hooks.names():
             raise ConfigError(f"unknown hook {name!r}{suggest(name, Hooks.names())}; hooks: {', '.join(Hooks.names())}")
 
+    def _wrapping_order(self) -> list[tuple[object, str, HookWrapper]]:
+        """The wrappers from the innermost out: ``innermost=True`` ones first, each group in registration order."""
+        inner = [w for w in self._wrappers if getattr(w[0], "innermost", False)]
+        return inner + [w for w in self._wrappers if not getattr(w[0], "innermost", False)]
+
     def _compose_hooks(self) -> None:
         hooks = replace(self._base_hooks)  # always a new object: the loop re-reads hooks when it changes
-        for _token, name, wrapper in self._wrappers:
-            hooks = replace(hooks, **{name: wrapper(getattr(hooks, name))})
+        for name in Hooks.names():
+            fn = getattr(hooks, name)
+            if fn is not getattr(_DEFAULT_HOOKS, name):
+                check_hook(name, fn, "set_hook / Hooks(...) gave")
+        for token, name, wrapper in self._wrapping_order():
+            outer = wrapper(getattr(hooks, name))
+            owner = token.owner if isinstance(token, _Wrapping) else describe_callable(wrapper)
+            check_hook(name, outer, f"the wrapper from {owner} returned")
+            hooks = replace(hooks, **{name: outer})
         self.hooks = hooks
         # batches from a DataLoader are CPU tensors: with the default hook and a CPU model,
         # moving them is a no-op we skip on the hot path
         self._move_batches = hooks.to_device is not default_to_device or self._device.type != "cpu"
+
+    # -- events of your own ---------------------------------------------------------------------
+    def fire(self, event: EventType[P] | str, payload: P) -> P:
+        """Fire an event of your own (``EventType(name, PayloadClass)``) and return its payload.
+
+        Its handlers run now, in their order (phases, ``before`` / ``after``), those with a filter on
+        the occurrences it selects (counted in ``state.event_counts``, so also across a resume); a
+        handler's exception reaches the caller as for the loop's events. Call it from a handler or a
+        hook. The loop's own events (``Event.X``) are fired by the loop only.
+
+        Example:
+            >>> from dataclasses import dataclass
+            >>> from trainbus.engine import Engine, EventType, Payload
+            >>> @dataclass
+            ... class SpikeEvent(Payload):
+            ...     value: float
+            >>> SPIKE = EventType("DOC_SPIKE", SpikeEvent)
+            >>> engine = Engine(torch.nn.Linear(1, 1))
+            >>> _ = engine.on(SPIKE(every=2), lambda ev: print("spike", ev.value))
+            >>> for value in (1.0, 2.0, 3.0, 4.0):
+            ...     _ = engine.fire(SPIKE, SpikeEvent(engine, value))
+            spike 2.0
+            spike 4.0
+        """
+        if isinstance(event, str):
+            event = event_by_name(event)
+        if not isinstance(event, EventType):
+            raise ConfigError(f"fire() takes an event of your own, EventType(name, PayloadClass), got {event!r}")
+        if is_built_in(event):
+            raise ConfigError(
+                f"Event.{event.name} is the loop's own event, fired by the loop only; define an event of your own "
+                "with EventType(name, PayloadClass) and fire that"
+            )
+        if not isinstance(payload, event.payload_type):
+            raise ConfigError(
+                f"event {event.name} carries a {event.payload_type.__name__}, got {type(payload).__name__}; "
+                f"fire({event.name}, {event.payload_type.__name__}(engine, ...))"
+            )
+        self.bus.fire(event, payload)
+        return payload
 
     # -- plugins -------------------------------------------------------------------------------
     def add_plugin(self, plugin: PluginT) -> PluginT:

@@ -26,6 +26,7 @@ from .errors import ConfigError, note_handler
 from .events import END_EVENTS, Event, EventType, FilteredEvent, P, event_by_name
 from .filters import EventFilter
 from .ordering import EVERY, Order, Phase, Priority, Registration, Targets, ordered, phase_name, target_names
+from .signatures import check_handler
 
 __all__ = [
     "EVERY", "Caller", "EventBus", "Handle", "Handler", "Order", "Phase", "Priority", "Registration", "Targets",
@@ -140,10 +141,12 @@ class EventBus:
             event = event.event
         if not isinstance(event, EventType):
             raise ConfigError(
-                f"cannot register a handler for {event!r}: expected an Event (one of {', '.join(Event.BY_NAME)})"
+                f"cannot register a handler for {event!r}: expected an Event (one of {', '.join(Event.BY_NAME)}) "
+                "or an event of your own, EventType(name, PayloadClass)"
             )
         if not callable(handler):
             raise ConfigError(f"handler for {event.name} must be callable, got {handler!r}")
+        check_handler(event, handler, name or handler_name(handler))  # once here, never per event
         order = priority if isinstance(priority, Order) else Order(priority)  # Order checks the int
         if cleanup and event not in END_EVENTS:
             ends = ", ".join(sorted(e.name for e in END_EVENTS))
@@ -159,8 +162,16 @@ class EventBus:
             order.precedes + target_names(before, "before"),
             order.follows + target_names(after, "after"),
         )
+        self._make_room(event)
         self._set_handlers(event.index, ordered(self._handlers[event.index] + (record,)))
         return Handle(self, record)
+
+    def _make_room(self, event: EventType[Any]) -> None:
+        """Grow the per-event tables to hold ``event`` (an event of your own, defined after this bus)."""
+        missing = event.index + 1 - len(self._handlers)
+        if missing > 0:  # in place: the loop holds ``callers``
+            self._handlers.extend(() for _ in range(missing))
+            self.callers.extend(None for _ in range(missing))
 
     def _remove(self, record: Registration) -> None:
         current = self._handlers[record.event.index]
@@ -215,15 +226,16 @@ class EventBus:
         return [record for records in self._handlers for record in records]
 
     def has_handlers(self, event: EventType[Any]) -> bool:
-        return bool(self._handlers[event.index])
+        return event.index < len(self._handlers) and bool(self._handlers[event.index])
 
     def handler_names(self, event: EventType[Any]) -> list[str]:
         """Names of the handlers of ``event`` in the order they run."""
-        return [r.name for r in self._handlers[event.index]]
+        return [r.name for r in self._handlers[event.index]] if event.index < len(self._handlers) else []
 
     def describe(self) -> dict[str, list[str]]:
-        """Every event that has handlers (in loop order) -> its handlers' names in the order they run."""
-        return {event.name: [r.name for r in records] for event, records in zip(Event.ALL, self._handlers) if records}
+        """Every event that has handlers (the loop's in loop order, then events of your own) -> its
+        handlers' names in the order they run."""
+        return {records[0].event.name: [r.name for r in records] for records in self._handlers if records}
 
     # -- dispatch -----------------------------------------------------------------------------
     def count(self, event: EventType[Any]) -> int:
@@ -243,7 +255,8 @@ class EventBus:
         BaseExceptions pass through untouched.
         """
         n = self.count(event)
-        self.dispatch(event, payload, n)
+        if event.index < len(self.callers):  # else an event of your own nobody listens to
+            self.dispatch(event, payload, n)
 
     def dispatch(self, event: EventType[P], payload: P, n: int) -> None:
         """Run the handlers of an occurrence already counted (the loop counts even with no handler)."""

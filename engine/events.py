@@ -73,19 +73,82 @@ from .payloads import (
 
 P = TypeVar("P", bound="Payload")
 
+#: every event by index (the bus's slot) and by name: the loop's, then events of your own
+_BY_INDEX: dict[int, EventType[Any]] = {}
+_BY_NAME: dict[str, EventType[Any]] = {}
+_BUILT_IN: set[EventType[Any]] = set()  # Event.ALL, once defined
+
 
 class EventType(Generic[P]):
-    """One event of the loop. Compare by identity; ``name`` is for messages and traces."""
+    """One event: a name and the payload class its handlers receive. Compare by identity.
+
+    The loop's events are ``Event.X``. An event of your own is an ``EventType(name, PayloadClass)``
+    made once, at module level: ``name`` an identifier no other event has (``event_by_name`` and the
+    string form ``engine.on("SPIKE", fn)`` find it), ``PayloadClass`` a dataclass subclass of
+    ``Payload`` (its first field is the engine). The index, the bus's slot, is assigned: pass none.
+
+    - Fire it with ``engine.fire(EVENT, PayloadClass(engine, ...))`` (``ev.engine.fire`` in a handler),
+      from a handler, a hook or your own code; its handlers run at once, in order, and ``fire``
+      returns the payload, so a handler may fill it for the code that fired it. Only the loop fires
+      ``Event.X``.
+    - Attach handlers as for the loop's events: ``engine.on(EVENT, fn)``, ``Plugin.on(engine, EVENT,
+      fn)``, with a filter (``EVENT(every=2)``, ``EVENT(when=...)``), a phase (``priority=Priority.CONSUMER``)
+      and ``before=`` / ``after=`` names. A handler's exception reaches ``fire``'s caller as itself,
+      noted with the handler and the event.
+    - Filters count the event's occurrences in ``state.event_counts[name]``, which checkpoints hold, so
+      ``every=N`` keeps its rhythm across a resume. ``engine.describe()`` lists the event's handlers
+      after the loop's events. ``EventRecorder`` and ``check_trace`` see the loop's events only.
+
+    A mistake fails when it is made, naming the remedy: a name the loop uses, a payload class that is
+    not a ``Payload``, an index taken by another event, a payload of another class given to ``fire``.
+
+    Example::
+
+        from dataclasses import dataclass
+
+        import torch
+
+        from trainbus.engine import Engine, Event, EventType, LossEvent, Payload, Plugin
+
+        @dataclass
+        class SpikeEvent(Payload):  # fires when a micro-batch's loss exceeds the detector's threshold
+            loss: float
+
+        SPIKE = EventType("SPIKE_EXAMPLE", SpikeEvent)  # once, at module level
+
+        class SpikeDetector(Plugin):
+            def __init__(self, threshold: float) -> None:
+                self.threshold = threshold
+
+            def attach(self, engine: Engine) -> None:
+                self.on(engine, Event.LOSS, self.check)
+
+            def check(self, ev: LossEvent) -> None:
+                loss = float(ev.loss.detach())  # a host sync per micro-batch: fine here, costly on a GPU
+                if loss > self.threshold:
+                    ev.engine.fire(SPIKE, SpikeEvent(ev.engine, loss))
+
+        model = torch.nn.Linear(2, 1)
+        data = [(torch.randn(4, 2), 10 * torch.randn(4, 1)) for _ in range(6)]
+        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.01), train_data=data, max_epochs=2,
+                        loss_fn=torch.nn.MSELoss(), plugins=[SpikeDetector(threshold=0.0)])
+        seen = []
+        engine.on(SPIKE(every=2), lambda ev: seen.append(("every 2nd", ev.loss)), name="alert")
+        engine.on(SPIKE, lambda ev: seen.append(("each", ev.loss)), name="log", before="alert")
+        engine.fit()
+        assert engine.state.event_counts["SPIKE_EXAMPLE"] == 12 and len(seen) == 12 + 6
+        assert engine.describe()["SPIKE_EXAMPLE"] == ["log", "alert"]
+    """
 
     __slots__ = ("index", "name", "payload_type")
 
-    def __init__(self, name: str, payload_type: type[P], index: int) -> None:
+    def __init__(self, name: str, payload_type: type[P], index: int | None = None) -> None:
         self.name = name
         self.payload_type = payload_type
-        self.index = index
+        self.index = _register(self, index)
 
     def __repr__(self) -> str:
-        return f"Event.{self.name}"
+        return f"Event.{self.name}" if self in _BUILT_IN else f"EventType({self.name!r}, {self.payload_type.__name__})"
 
     def __call__(
         self,
@@ -133,6 +196,49 @@ class FilteredEvent(Generic[P]):
         return FilteredEvent(self.event, self.filter & other.filter)
 
 
+def _register(event: EventType[Any], index: int | None) -> int:
+    """Check a new event and give it its index: built-ins bring theirs, events of your own the next free one."""
+    name, payload_type = event.name, event.payload_type
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ConfigError(f"an event's name must be an identifier such as 'SPIKE', got {name!r}")
+    if not (isinstance(payload_type, type) and issubclass(payload_type, Payload)):
+        raise ConfigError(
+            f"EventType({name!r}, ...) needs a payload class, a subclass of trainbus.engine.Payload (a dataclass "
+            f"whose first field is the engine), got {payload_type!r}; e.g. @dataclass class {name.title()}Event"
+            "(Payload): value: float"
+        )
+    previous = _BY_NAME.get(name)
+    if previous in _BUILT_IN:
+        raise ConfigError(f"event name {name!r} is the loop's own Event.{name}; give your event another name")
+    if previous is not None and _qualname(previous.payload_type) != _qualname(payload_type):
+        raise ConfigError(
+            f"an event named {name!r} already exists with payload {_qualname(previous.payload_type)}; "
+            f"EventType({name!r}, {payload_type.__name__}) would make a second one: use that one "
+            f"(trainbus.engine.events.event_by_name({name!r})) or another name"
+        )  # the same name and payload class again is a module imported twice: the newer event wins
+    free = max(_BY_INDEX, default=-1) + 1
+    if index is not None:
+        taken = _BY_INDEX.get(index)
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0 or (taken is None and index != free):
+            raise ConfigError(
+                f"EventType({name!r}, {payload_type.__name__}, {index!r}): leave the index out, it is assigned "
+                f"(the next free one is {free})"
+            )
+        if taken is not None:
+            raise ConfigError(
+                f"EventType({name!r}, {payload_type.__name__}, {index}): index {index} is taken by {taken!r}; "
+                f"leave the index out, it is assigned (the next free one is {free})"
+            )
+        free = index
+    _BY_INDEX[free] = event
+    _BY_NAME[name] = event
+    return free
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 class Event:
     """The namespace of all events. ``Event.ALL`` lists them in loop order, EXCEPTION last."""
 
@@ -163,16 +269,34 @@ class Event:
 
 Event.ALL = tuple(sorted((v for v in vars(Event).values() if isinstance(v, EventType)), key=lambda e: e.index))
 Event.BY_NAME = {e.name: e for e in Event.ALL}
+_BUILT_IN.update(Event.ALL)
 #: the events that close a block, and may therefore fire on a failure (see the module docstring)
 END_EVENTS: frozenset[EventType[Any]] = frozenset({Event.EPOCH_END, Event.TRAIN_END, Event.EVAL_END, Event.PREDICT_END})
 
 
+def is_built_in(event: EventType[Any]) -> bool:
+    """Whether ``event`` is one of the loop's (``Event.ALL``), which only the loop fires."""
+    return event in _BUILT_IN
+
+
+def own_events() -> tuple[EventType[Any], ...]:
+    """The events of your own defined in this process (``EventType(name, payload)``), in definition order."""
+    return tuple(e for e in _BY_INDEX.values() if e not in _BUILT_IN and _BY_NAME.get(e.name) is e)
+
+
+def event_of_index(index: int) -> EventType[Any] | None:
+    """The event holding ``index`` (the slot the bus keeps its handlers in), None when free."""
+    return _BY_INDEX.get(index)
+
+
 def event_by_name(name: str) -> EventType[Any]:
     """Look an event up by name (case-insensitive); unknown names list the allowed ones."""
-    found = Event.BY_NAME.get(name.upper())
+    found = _BY_NAME.get(name) or _BY_NAME.get(name.upper())
     if found is None:
+        mine = f"; events of your own: {', '.join(e.name for e in own_events())}" if own_events() else ""
         raise ConfigError(
-            f"unknown event {name!r}{suggest(name.upper(), Event.BY_NAME)}; known events: {', '.join(Event.BY_NAME)}"
+            f"unknown event {name!r}{suggest(name.upper(), _BY_NAME)}; the loop's events: {', '.join(Event.BY_NAME)}"
+            f"{mine}. An event of your own is an EventType(name, PayloadClass) created before handlers name it"
         )
     return found
 
@@ -184,6 +308,9 @@ __all__ = [
     "FilteredEvent",
     "P",
     "event_by_name",
+    "event_of_index",
+    "is_built_in",
+    "own_events",
     "BackwardEndEvent",
     "BatchStartEvent",
     "BeforeOptimizerStepEvent",

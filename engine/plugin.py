@@ -24,6 +24,18 @@ if TYPE_CHECKING:
 class Plugin:
     """Base class of features. Subclasses override ``attach`` and, when stateful, the state methods.
 
+    Class attributes a subclass may set:
+
+    - ``priority``: the phase of its handlers (``Priority.DEFAULT``), or a phase with constraints
+      all of them keep, e.g. ``Priority.FIRST.before("HalfPrecisionEval")``.
+    - ``not_resumed``: names of attributes that differ after a resume on purpose (a start time, a
+      path, a cache), e.g. ``not_resumed = ("started_at",)``. The testing kit's
+      ``check_resume_equivalence`` compares every other public plain-data attribute (numbers,
+      strings, tensors, containers of them) of a resumed run with the uninterrupted one, so a
+      counter that ``state_dict()`` forgets is found; an attribute listed here is not compared.
+      A test may instead pass ``ignore_attributes=["Plugin.attribute"]`` to the check. Anything the
+      run's result depends on belongs in ``state_dict()`` / ``load_state_dict()`` instead.
+
     Example:
         >>> from trainbus.engine import Plugin, Event
         >>> class CountSteps(Plugin):
@@ -126,10 +138,16 @@ class Plugin:
         return handle
 
     def wrap_hook(
-        self, engine: EngineView, hook: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]
+        self,
+        engine: EngineView,
+        hook: str,
+        wrapper: Callable[[Callable[..., Any]], Callable[..., Any]],
+        *,
+        innermost: bool = False,
     ) -> object:
-        """Wrap one of ``engine.hooks`` (see ``Engine.wrap_hook``); undone by ``detach``."""
-        token = engine.wrap_hook(hook, wrapper)
+        """Wrap one of ``engine.hooks`` (see ``Engine.wrap_hook``), named by this plugin in
+        ``engine.describe_hooks()``; undone by ``detach``. A plugin attached later wraps outside."""
+        token = engine.wrap_hook(hook, wrapper, owner=self.name, innermost=innermost)
         self.__dict__.setdefault("_plugin_wraps", []).append(token)
         return token
 

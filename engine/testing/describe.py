@@ -15,20 +15,29 @@ import inspect
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from textwrap import dedent
 
 from .. import events
-from ..events import Event
+from ..assembly import Assembly
+from ..events import Event, EventType
+from ..signatures import HOOK_CALLS, hook_call
 
 #: the generated page, relative to the repository root
 DOC_PATH = Path("docs/events.md")
 
 
-def render(orders: Mapping[str, list[str]] | None = None, setup: str = "") -> str:
+def render(
+    orders: Mapping[str, list[str]] | None = None,
+    setup: str = "",
+    hooks: Mapping[str, list[str]] | None = None,
+    hooks_setup: str = "",
+) -> str:
     """The markdown of docs/events.md; ``orders`` adds each event's handlers in call order (``describe()``).
 
     The engine knows no plugin: the page with the default Trainer's order is made above it, by
     ``python -m trainbus.plugins.cli.describe --write``, which passes ``Trainer(...).describe()``
-    and ``setup``, the sentence saying which Trainer that is.
+    and ``setup``, the sentence saying which Trainer that is, and ``hooks``: per hook, lines about
+    the plugins that wrap it (appended under the hook's heading).
     """
     doc = inspect.getdoc(events) or ""
     lines = [
@@ -62,7 +71,45 @@ def render(orders: Mapping[str, list[str]] | None = None, setup: str = "") -> st
                 kind, meaning = str(f.type).replace("|", "\\|"), meanings.get(f.name, "").replace("|", "\\|")
                 lines.append(f"| `{f.name}` | `{kind}` | {meaning} |")
             lines.append("")
+    lines += _own_events() + _hooks(hooks or {}, hooks_setup)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _own_events() -> list[str]:
+    """The section on events of your own: ``EventType``'s docstring, its ``Example::`` as a python block."""
+    text = (inspect.getdoc(EventType) or "").partition("\n\n")[2]  # less the first line, on EventType itself
+    prose, _, example = text.partition("Example::")
+    return ["## Events of your own", "", prose.strip(), "", "```python", dedent(example).strip(), "```", ""]
+
+
+def _hooks(extra: Mapping[str, list[str]], setup: str) -> list[str]:
+    """The section on hooks: how the loop calls each, where wrappers go (``wrap_hook``'s docstring)."""
+    doc = inspect.getdoc(Assembly.wrap_hook) or ""
+    lines = ["## Hooks", "", *_HOOKS_INTRO, "", doc.split("\n\nReturns")[0].strip(), ""]
+    lines += [setup, ""] if setup else []
+    for name in HOOK_CALLS:
+        lines += [f"### {name}", "", f"Called as `{hook_call(name)}`{_HOOK_RETURNS[name]}", ""]
+        lines += [*extra.get(name, []), ""] if extra.get(name) else []
+    return lines
+
+
+_HOOKS_INTRO = (
+    "The step functions the loop calls (`trainbus.hooks.Hooks`), each replaceable with `engine.set_hook(name, fn)`",
+    "and wrappable with `engine.wrap_hook(name, wrapper)` / `Plugin.wrap_hook`. A function with a signature that",
+    "cannot take the loop's call fails when it is set or wrapped (ConfigError naming the hook and the call), not",
+    "inside fit(). `engine.describe_hooks()` gives each hook's base function and its wrappers, innermost first.",
+)
+_HOOK_RETURNS = {
+    "to_device": ": returns the batch on the device.",
+    "forward": ": returns the model's outputs.",
+    "compute_loss": ": returns the scalar loss tensor.",
+    "backward": ": accumulates the gradients.",
+    "optimizer_step": ": returns False when it skipped the step (AMP overflow), else None.",
+    "zero_grad": ": clears the gradients after every window.",
+    "prediction_step": ": returns `(loss or None, logits, labels)` under `torch.inference_mode`.",
+    "epoch_iterator": ": returns the epoch's batches, `skip_batches` already consumed on a resume.",
+    "eval_data": ": returns the evaluation batches (sharded under several processes).",
+}
 
 
 def split_attributes(doc: str) -> tuple[str, dict[str, str]]:

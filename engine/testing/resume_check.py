@@ -40,6 +40,7 @@ from ..errors import ConfigError
 from ..events import Event, StepStartEvent, TrainEndEvent
 from ..loop import Engine
 from ..plugin import check_state
+from .remedy import LENGTH_REMEDY, name_of, remedy
 
 Snapshot = dict[str, Any]
 
@@ -111,15 +112,16 @@ def _check_at(
     for key, snapshot in resumed.items():
         expected = reference.get(key)
         if expected is None:
-            raise ResumeMismatch(f"the resumed run reached {_where(key, at)}, which the uninterrupted one never did",
-                                 key, "")  # fmt: skip
+            raise ResumeMismatch(f"the resumed run reached {_where(key, at)}, which the uninterrupted one never did. "
+                                 f"{LENGTH_REMEDY}", key, "")  # fmt: skip
         found = first_difference(_compared(snapshot), _compared(expected))
         if found is not None:
             path, got, want = found
             hint = "" if path.startswith("/attributes/") else _attribute_hint(resumed.get(at), reference.get(at))
             raise ResumeMismatch(
                 f"resuming from a save at step {at} diverges from the uninterrupted run {_where(key, at)}: "
-                f"{_name(path, snapshot)}: resumed {_show(got)}, uninterrupted {_show(want)}{hint}",
+                f"{name_of(path, snapshot)}: resumed {_show(got)}, uninterrupted {_show(want)}{hint}. "
+                f"{remedy(path, snapshot)}",
                 key,
                 path,
             )
@@ -135,24 +137,13 @@ def _check_at(
                 path,
             )
     if resumed.keys() != {k for k in reference if k == "end" or (isinstance(k, int) and k >= at)}:
-        raise ResumeMismatch(f"the resumed run stopped early: it reached {sorted(map(str, resumed))}", "end", "")
-
-
-def _name(path: str, snapshot: Snapshot) -> str:
-    """``/attributes/P/field/...`` as ``P.field`` (saying when ``state_dict()`` leaves it out); others as they are."""
-    parts = path.split("/")
-    if len(parts) < 4 or parts[1] != "attributes":
-        return path
-    plugin, field = parts[2], parts[3].removesuffix(" (length)")
-    rest = "/".join(parts[4:])
-    saved = field in snapshot["plugins"].get(plugin, {})
-    where = "" if saved else ", an attribute not in its state_dict()"
-    return f"{path} (plugin attribute {plugin}.{field}{'/' + rest if rest else ''}{where})"
+        raise ResumeMismatch(f"the resumed run stopped early: it reached {sorted(map(str, resumed))}. {LENGTH_REMEDY}",
+                             "end", "")  # fmt: skip
 
 
 def _compared(snapshot: Snapshot) -> Snapshot:
     """What must be equal before the batches: State, plugin states, model, optimizer, then plugin attributes."""
-    return {k: v for k, v in snapshot.items() if k not in ("batches", "private")}
+    return {k: v for k, v in snapshot.items() if k not in ("batches", "private", "classes")}
 
 
 def _where(key: int | str, at: int) -> str:
@@ -249,6 +240,7 @@ def _snapshot(engine: Engine, ignored: frozenset[str] = frozenset()) -> Snapshot
         "attributes": {p.name: _data_attributes(p, ignored, private=False) for p in engine.plugins},
         "private": {p.name: _data_attributes(p, ignored, private=True) for p in engine.plugins},
     })  # fmt: skip
+        "classes": {p.name: type(p).__name__ for p in engine.plugins},
 
 
 def _data_attributes(plugin: Any, ignored: frozenset[str], private: bool) -> dict[str, Any]:
@@ -290,7 +282,8 @@ def _attribute_hint(resumed: Snapshot | None, reference: Snapshot | None) -> str
                 lines.append(f"{plugin}.{name} (resumed {_show(value)}, uninterrupted {_show(want)})")
     if not lines:
         return ""
-    return "; plugin attributes not in a state_dict that differed right after loading: " + ", ".join(lines)
+    return ("; plugin attributes not in a state_dict that differed right after loading: " + ", ".join(lines)
+            + " (add each to its plugin's state_dict() and load_state_dict())")  # fmt: skip
 
 
 def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | None:

@@ -1,0 +1,170 @@
+"""Events of your own (#35 item 3): define an EventType with its payload, fire it from a handler, attach
+handlers with filters and ordering, on a bare Engine; the mistakes a user makes fail naming the remedy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from trainbus.engine import ConfigError, Engine, Event, EventType, LossEvent, Payload, Plugin, Priority
+from trainbus.engine.testing import LoopConfig, check_resume_equivalence, toy_engine
+
+
+@dataclass
+class SpikeEvent(Payload):
+    """Fires when a micro-batch's loss exceeds the running threshold."""
+
+    loss: float
+    micro_step: int
+
+
+SPIKE = EventType("SPIKE", SpikeEvent)
+
+
+class SpikeDetector(Plugin):
+    """Fires SPIKE from its LOSS handler (a user plugin; reads the loss on the host, fine for a test)."""
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, Event.LOSS, self.loss)
+
+    def loss(self, ev: LossEvent) -> None:
+        value = float(ev.loss.detach())
+        if value > self.threshold:
+            ev.engine.fire(SPIKE, SpikeEvent(ev.engine, value, ev.engine.state.micro_steps))
+
+
+class SpikeCounter(Plugin):
+    """Counts every second spike, and says so after SpikeLog (declared, attached first)."""
+
+    def __init__(self) -> None:
+        self.counted: list[int] = []
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, SPIKE(every=2), self.count, after="SpikeLog")
+
+    def count(self, ev: SpikeEvent) -> None:
+        self.counted.append(ev.micro_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counted": list(self.counted)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counted = list(state["counted"])
+
+
+class SpikeLog(Plugin):
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    def attach(self, engine: Engine) -> None:
+        self.on(engine, SPIKE, self.record)
+
+    def record(self, ev: SpikeEvent) -> None:
+        self.order.append(f"log {ev.micro_step}")
+
+
+def test_an_event_of_your_own_is_fired_filtered_and_ordered() -> None:
+    order: list[str] = []
+    counter = SpikeCounter()
+    engine = toy_engine(LoopConfig(24, 4, 2, 2, None, None), plugins=[counter, SpikeDetector(0.0), SpikeLog(order)])
+    early = engine.on(SPIKE, lambda ev: order.append(f"first {ev.micro_step}"), priority=Priority.FIRST, name="early")
+    engine.fit()
+    spikes = engine.state.event_counts["SPIKE"]
+    assert spikes == 12  # every micro-batch's loss is > 0: 6 batches x 2 epochs
+    assert counter.counted == list(range(2, 13, 2))  # every=2 counts the event's own occurrences
+    assert order[:4] == ["first 1", "log 1", "first 2", "log 2"]  # FIRST, then the DEFAULT phase
+    assert engine.describe()["SPIKE"] == ["early", "SpikeLog.record", "SpikeCounter.count"]
+    early.remove()
+    assert engine.describe()["SPIKE"] == ["SpikeLog.record", "SpikeCounter.count"]
+
+
+def test_the_issues_spelling_works_and_a_string_names_it() -> None:
+    @dataclass
+    class GapEvent(Payload):
+        gap: float
+
+    index = max(e.index for e in (*Event.ALL, SPIKE)) + 1
+    gap = EventType("GAP_35", GapEvent, index)  # the issue passed an index: the next free one is accepted
+    engine = Engine(torch.nn.Linear(1, 1))
+    seen: list[float] = []
+    engine.on("GAP_35", lambda ev: seen.append(ev.gap))
+    assert engine.fire(gap, GapEvent(engine, 0.5)).gap == 0.5
+    assert seen == [0.5] and engine.state.event_counts["GAP_35"] == 1
+    assert repr(gap) == "EventType('GAP_35', GapEvent)"
+
+
+def test_a_fired_event_without_handlers_is_counted() -> None:
+    engine = Engine(torch.nn.Linear(1, 1))
+    engine.fire(SPIKE, SpikeEvent(engine, 1.0, 0))
+    assert engine.state.event_counts["SPIKE"] == 1
+
+
+def test_a_handlers_error_names_the_event_of_your_own() -> None:
+    engine = Engine(torch.nn.Linear(1, 1))
+    engine.on(SPIKE, lambda ev: 1 / 0, name="divide")
+    with pytest.raises(ZeroDivisionError) as caught:
+        engine.fire(SPIKE, SpikeEvent(engine, 1.0, 0))
+    assert caught.value.trainbus_event == "SPIKE" and caught.value.trainbus_handler == "divide"  # type: ignore[attr-defined]
+
+
+def test_filter_counts_survive_a_resume() -> None:
+    config = LoopConfig(24, 4, 1, 2, None, None)
+    check_resume_equivalence(lambda: toy_engine(config, plugins=[SpikeDetector(0.0), SpikeCounter()]), at=5)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: EventType("X_35", SpikeEvent, 3), "index 3 is taken by Event.BATCH_START; leave the index out"),
+        (lambda: EventType("X_35", SpikeEvent, 999), "leave the index out, it is assigned"),
+        (lambda: EventType("LOSS", SpikeEvent), "is the loop's own Event.LOSS"),
+        (lambda: EventType("SPIKE", LossEvent), "already exists with payload"),
+        (lambda: EventType("X_35", dict), "subclass of trainbus.engine.Payload"),
+        (lambda: EventType("not a name", SpikeEvent), "must be an identifier"),
+    ],
+)
+def test_defining_an_event_wrongly_says_how_to_do_it(make: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_firing_wrongly_says_how_to_do_it() -> None:
+    engine = Engine(torch.nn.Linear(1, 1))
+    with pytest.raises(ConfigError, match="fired by the loop only; define an event of your own"):
+        engine.fire(Event.LOSS, SpikeEvent(engine, 1.0, 0))
+    with pytest.raises(ConfigError, match=r"carries a SpikeEvent, got LossEvent"):
+        engine.fire(SPIKE, LossEvent(engine, None, None, torch.zeros(()), 0, 1))
+    with pytest.raises(ConfigError, match=r"did you mean 'SPIKE'.*events of your own: .*SPIKE"):
+        engine.on("SPIKY", print)
+
+
+def test_the_documented_example_runs() -> None:
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs/events.md").read_text(encoding="utf-8")
+    section = page[page.index("## Events of your own") : page.index("## Hooks")]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "engine.fire(SPIKE" in code and "SPIKE(every=2)" in code and "before=" in code
+    import sys
+    import types
+
+    module = types.ModuleType("docs_events_example")  # dataclasses look their module up in sys.modules
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(code, "docs/events.md", "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_the_fire_doctest() -> None:
+    import doctest
+
+    from trainbus.engine import assembly
+
+    assert doctest.testmod(assembly).failed == 0
