@@ -78,6 +78,7 @@ def test_engine_resume_with_a_shuffling_loader_with_workers_is_bit_exact(tmp_pat
 
     from tests.test_resume_exact_engine import dropout_engine, same_weights
     from trainbus.plugins.checkpoints.resuming import resume
+    from trainbus.plugins.data.seeded import seeded_loader
 
     def build(out: Path) -> Any:
         engine = dropout_engine(out, 13, 2, 1, 1)
@@ -86,10 +87,11 @@ def test_engine_resume_with_a_shuffling_loader_with_workers_is_bit_exact(tmp_pat
         return engine
 
     def shut_down(engine: Any) -> None:
-        iterator = getattr(engine.train_data, "_iterator", None)
+        loader = seeded_loader(engine.train_data)  # the loader the data plugin iterates (workers seeded per batch)
+        iterator = getattr(loader, "_iterator", None)
         if iterator is not None:
             iterator._shutdown_workers()
-            engine.train_data._iterator = None
+            loader._iterator = None
 
     full = build(tmp_path / "full")
     full.fit()

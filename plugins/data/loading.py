@@ -31,6 +31,7 @@ from .collators import (
 )
 from .replay import (
     RngReplay,
+    data_roots,
     epoch_start_states,
     make_pool_quietly,
     needs_new_pool,
@@ -38,8 +39,8 @@ from .replay import (
     skip_first_batches,
     warn_unless_replayable,
 )
-from .rng import rng_state, same_rng_state
-from .seeded import SeededBatches, SeededDatasetLoader, fetched_dataset
+from .rng import rng_state, same_rng_state, track_data
+from .seeded import SeededBatches, SeededDatasetLoader, epoch_key, fetched_dataset, seeded_loader
 
 
 class EpochSampler(Sampler[int]):
@@ -72,7 +73,7 @@ class EpochSampler(Sampler[int]):
 
 
 def resumable_epoch_iterator(
-    data: Iterable[Any], epoch: int, skip_batches: int, replay: RngReplay | None = None
+    data: Iterable[Any], epoch: int, skip_batches: int, replay: RngReplay | None = None, key: int | None = None
 ) -> Iterator[Any]:
     """The batches of epoch ``epoch``; a map-style DataLoader skips ``skip_batches`` in its sampler.
 
@@ -80,9 +81,11 @@ def resumable_epoch_iterator(
     run consumed. Other data falls back to skipping by iteration (an iterable dataset has no index).
     ``replay`` (a mid-epoch resume): the epoch's order is drawn again from the states of its start,
     and the checkpoint's states are set once the consumed batches are skipped (``replay.py``).
+    ``key``: what a loader ``seeded_loader`` made seeds its workers' batches from, in place of the epoch.
     """
-    sampler = getattr(data, "sampler", None)
-    owners = (data, sampler, getattr(data, "batch_sampler", None), getattr(data, "dataset", None))
+    batch_sampler = getattr(data, "batch_sampler", None)
+    owners = (data, getattr(data, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None),
+              getattr(data, "dataset", None))  # fmt: skip
     for owner in owners:  # the first owner of a set_epoch: a seeded sampler, or an iterable dataset
         set_epoch = getattr(owner, "set_epoch", None)
         if callable(set_epoch):
@@ -90,7 +93,7 @@ def resumable_epoch_iterator(
             break
     dataset = fetched_dataset(data)
     if isinstance(dataset, SeededBatches):  # its workers' seeds (a sampler's set_epoch above is separate)
-        dataset.set_epoch(epoch)
+        dataset.set_epoch(epoch if key is None else key)
     if replay is None:
         if skip_batches and isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
             return iter(skip_first_batches(data, skip_batches))
@@ -208,6 +211,7 @@ class ResumableData(Plugin):
             self.on(engine, Event.TRAIN_START, self._restart_epoch, priority=Priority.FIRST)
         self.on(engine, Event.EVAL_START, self._eval_start, priority=Priority.FIRST)
         self._checked = engine.train_data
+        track_data(data_roots(self._checked))
         warn_unless_replayable(self._checked)
         # the Trainer makes its loader in train(): checked when training starts, if it is another
         self.on(engine, Event.TRAIN_START, self._check_data, priority=Priority.LAST)
@@ -221,6 +225,8 @@ class ResumableData(Plugin):
     def _epoch_iterator(self, data: Iterable[Any], epoch: int, skip_batches: int) -> Iterator[Any]:
         replay, self._replay = self._replay, None
         engine = self._engine
+        track_data(data_roots(data))  # its own generators travel with the global ones (rng.py)
+        loader, data = data, seeded_loader(data)  # a worker loader's batches each seeded (seeded.py)
         if replay is not None:
             start = replay.epoch_start  # the interrupted epoch's, kept by checkpoints written later in it
         else:
@@ -228,11 +234,13 @@ class ResumableData(Plugin):
                 make_pool_quietly(data)  # a resumed run: the uninterrupted one reused its pool here
             start = epoch_start_states(data)
         engine.rng_epoch_start = start  # type: ignore[attr-defined]
-        return resumable_epoch_iterator(data, epoch, skip_batches, replay)
+        key = None if data is loader else epoch_key(epoch, start)
+        return resumable_epoch_iterator(data, epoch, skip_batches, replay, key)
 
     def _check_data(self, ev: TrainStartEvent) -> None:
         if ev.engine.train_data is not self._checked:
             self._checked = ev.engine.train_data
+            track_data(data_roots(self._checked))
             warn_unless_replayable(self._checked)
 
     def _eval_start(self, ev: EvalStartEvent) -> None:
@@ -268,6 +276,7 @@ def ensure_resumable_data(engine: Engine) -> None:
         plugin = ResumableData()
         plugin.attach(engine)
         setattr(engine, IMPLICIT, plugin)
+    track_data(data_roots(engine.train_data))  # a resume sets their own generators' states too (rng.py)
 
 
 def check_multiprocessing_context(context: str | None, num_workers: int) -> None:
@@ -329,7 +338,7 @@ def build_dataloader(
             multiprocessing_context=multiprocessing_context,
         )
     if num_workers > 0 and not iterable:  # its .dataset stays the user's (SeededDatasetLoader)
-        dataset = SeededBatches(dataset, seed)
+        dataset = SeededBatches(dataset, seed, collate_fn)
         loader_class = _SEEDED_LOADERS.get(loader_class, loader_class)
     return loader_class(
         dataset,

@@ -38,6 +38,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from .generators import find_generators, generator_state, lazy_generator_owners, set_generator_state
 from .rng import rng_state, same_rng_state, set_rng_state
 from .seeded import fetched_dataset
 
@@ -57,6 +58,16 @@ def loader_generators(data: Any) -> list[torch.Generator]:
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
     return found
+
+
+def data_roots(data: Any) -> dict[str, Any]:
+    """The objects whose own generators a loader draws from as it loads (``rng.track_data``): its dataset,
+    collator and samplers; for other data (a list of batches, a generator), the data itself."""
+    if not isinstance(data, DataLoader):
+        return {"data": data}
+    batch_sampler = data.batch_sampler
+    roots = {"dataset": data.dataset, "collate_fn": data.collate_fn, "sampler": data.sampler}
+    return roots | {"batch_sampler": batch_sampler, "batch_sampler.sampler": getattr(batch_sampler, "sampler", None)}
 
 
 def has_live_pool(data: Any) -> bool:
@@ -215,15 +226,16 @@ def skip_first_batches(
 def replay_problem(data: Any) -> str | None:
     """Why a mid-epoch resume cannot make ``data``'s epoch order again, or None when it can (or may).
 
-    torch's samplers, and any with a ``set_epoch``, are replayable. Another sampler is tried on a copy:
-    two passes from the same states must give the same order, and draw from the global generators only
-    before their first batch (draws as it goes are interleaved with the steps' draws).
+    torch's samplers are replayable. Another sampler (one with a ``set_epoch`` too: it may keep more state
+    than its epoch) is tried on a copy: two passes from the same states (the global generators', those of
+    its own, the same epoch) must give the same order, and draw from the global generators only before
+    their first batch (draws as it goes are interleaved with the steps' draws).
     """
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
         return None
     batch_sampler = data.batch_sampler
     sampler = batch_sampler.sampler if type(batch_sampler) is BatchSampler else batch_sampler
-    if type(sampler) in REPLAYABLE or callable(getattr(sampler, "set_epoch", None)):
+    if type(sampler) in REPLAYABLE:
         return None
     try:
         size = len(sampler)  # type: ignore[arg-type]
@@ -243,12 +255,16 @@ def _probe(sampler: Any, dataset: Any, saved: dict[str, Any]) -> str | None:
         probe = copy.deepcopy(sampler, memo={id(dataset): dataset})
     except Exception as exc:  # a lock, a file handle: say so rather than guess
         return f"could not be copied to check that it replays its order ({type(exc).__name__}: {exc})"
-    generators = [g.get_state() for g in loader_generators(probe)]
+    own = {path: generator_state(g) for path, g in find_generators({"sampler": probe}).items()}
+    set_epoch = getattr(probe, "set_epoch", None)
     passes = []
     for _ in range(2):
         set_rng_state(saved)
-        for generator, value in zip(loader_generators(probe), generators, strict=True):
-            generator.set_state(value)
+        generators = find_generators({"sampler": probe})
+        for path, value in own.items():
+            set_generator_state(generators[path], value)
+        if callable(set_epoch):
+            set_epoch(0)
         iterator = iter(probe)
         order = list(itertools.islice(iterator, 1))
         after_first = rng_state()
@@ -262,7 +278,13 @@ def _probe(sampler: Any, dataset: Any, saved: dict[str, Any]) -> str | None:
 
 
 def warn_unless_replayable(data: Any) -> None:
-    """Warn when a mid-epoch resume cannot make ``data``'s epoch order again (``replay.replay_problem``)."""
+    """Warn when a mid-epoch resume cannot make ``data``'s epoch order again (``replay.replay_problem``), or
+    the random draws its workers make (``worker_problems``)."""
+    for problem in worker_problems(data):
+        warnings.warn(
+            f"ResumableData: {problem}, so a mid-epoch resume will not reproduce the uninterrupted run",
+            stacklevel=4,
+        )
     problem = replay_problem(data)
     if problem is not None:
         sampler = getattr(data, "batch_sampler", None)
@@ -274,3 +296,31 @@ def warn_unless_replayable(data: Any) -> None:
             "generators or its own torch.Generator only when a pass starts",
             stacklevel=4,
         )
+
+
+def worker_problems(data: Any) -> list[str]:
+    """What a resume cannot draw again in ``data``'s worker processes (none in the main process).
+
+    Each batch a map-style dataset's workers load is seeded on its own (``seeded.py``). Not so:
+    an iterable dataset's persistent workers (their generators go on from epoch to epoch in processes
+    a resumed run starts again), and an object that makes a generator of its own at its first call in
+    each worker, seeded by the worker's id (transformers' collators with a ``seed``).
+    """
+    if not isinstance(data, DataLoader) or data.num_workers == 0:
+        return []
+    problems = []
+    if isinstance(data.dataset, IterableDataset) and data.persistent_workers:
+        problems.append(
+            f"the iterable dataset {type(data.dataset).__name__} is read by persistent workers: any random "
+            "draw it makes goes on from epoch to epoch in worker processes that a resumed run starts anew "
+            "(set persistent_workers=False, or draw from generators seeded by the epoch)"
+        )
+    for name in lazy_generator_owners({"collate_fn": data.collate_fn, "dataset": data.dataset}):
+        owner = getattr(data, name)
+        problems.append(
+            f"the loader's {name} {type(owner).__name__} makes its own random generator in each worker at its "
+            "first call, seeded by the worker's id: which batches a worker gets changes on a resume, and so "
+            "do its draws (load in the main process, num_workers=0, or give it seed=None: draws from the "
+            "global generators are seeded per batch)"
+        )
+    return problems

@@ -10,7 +10,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["SeededBatches", "SeededDatasetLoader", "fetched_dataset"]
+from .generators import find_generators, reseed
+
+__all__ = ["SeededBatches", "SeededDatasetLoader", "epoch_key", "fetched_dataset", "seeded_loader"]
 
 
 class SeededBatches(Dataset[Any]):
@@ -25,11 +27,16 @@ class SeededBatches(Dataset[Any]):
     epoch to epoch, and do not depend on the worker count or on where the epoch resumed. In the main
     process (no workers) nothing is reseeded: the training RNG is left alone. The epoch lives in shared
     memory: persistent workers, started at an earlier epoch, read the current one too.
+
+    Generators of their own that the dataset or ``collator`` (the loader's ``collate_fn``, which runs in
+    the same worker right after) keep are seeded per batch as well, each from the batch's seed and its
+    path (``generators.py``).
     """
 
-    def __init__(self, dataset: Any, seed: int) -> None:
+    def __init__(self, dataset: Any, seed: int, collator: Any = None) -> None:
         self.dataset = dataset
         self.seed = seed
+        self.collator = collator
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     @property
@@ -51,17 +58,20 @@ class SeededBatches(Dataset[Any]):
             random.seed(seed)
             np.random.seed(seed % 2**32)
             torch.manual_seed(seed)
+            for path, generator in find_generators({"dataset": self.dataset, "collate_fn": self.collator}).items():
+                reseed(generator, _batch_seed(seed, 0, [], path))
         getitems = getattr(self.dataset, "__getitems__", None)
         return list(getitems(indices)) if callable(getitems) else [self.dataset[i] for i in indices]
 
     def __getattr__(self, name: str) -> Any:  # column_names, features, ...: the wrapped dataset's
-        if name in ("dataset", "_epoch"):
+        if name in ("dataset", "_epoch", "collator"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
 
-def _batch_seed(seed: int, epoch: int, indices: list[int]) -> int:
-    digest = hashlib.blake2b(repr((seed, epoch, [int(i) for i in indices])).encode(), digest_size=8).digest()
+def _batch_seed(seed: int, epoch: int, indices: list[int], path: str = "") -> int:
+    key = (seed, epoch, [int(i) for i in indices], path) if path else (seed, epoch, [int(i) for i in indices])
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % 2**63
 
 
@@ -96,3 +106,49 @@ def fetched_dataset(loader: Any) -> Any:
     if isinstance(loader, SeededDatasetLoader):
         return loader.__dict__["_fetched"]
     return getattr(loader, "dataset", None)
+
+
+def seeded_loader(loader: Any) -> Any:
+    """What to iterate for ``loader``: itself, or for a DataLoader whose workers load a map-style dataset
+    in batches and do not fetch through ``SeededBatches``, a loader that does (made once, kept with it).
+
+    The two share the sampler, batch sampler, collator, generator, ``worker_init_fn`` and worker settings,
+    so the order and the batches are the loader's; only each batch's random draws in a worker come from its
+    own seed (``SeededBatches``), so that a resumed epoch draws what the uninterrupted one drew. Its seed is
+    0: the data plugin sets each epoch's key from the states the epoch started from (``epoch_key``).
+    """
+    if (
+        type(loader) is not DataLoader
+        or loader.num_workers == 0
+        or loader.batch_sampler is None
+        or isinstance(loader.dataset, torch.utils.data.IterableDataset | SeededBatches)
+    ):
+        return loader
+    twin = loader.__dict__.get("_trainbus_seeded")
+    if twin is None:
+        ordered = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}  # torch >= 2.6
+        twin = SeededDatasetLoader(
+            SeededBatches(loader.dataset, 0, loader.collate_fn),
+            batch_sampler=loader.batch_sampler,
+            collate_fn=loader.collate_fn,
+            num_workers=loader.num_workers,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+            **ordered,
+        )
+        loader.__dict__["_trainbus_seeded"] = twin
+    return twin
+
+
+def epoch_key(epoch: int, start: dict[str, Any] | None) -> int:
+    """An epoch's key for a loader ``seeded_loader`` made: from the global torch state the epoch started from
+    (a resume draws the epoch again from the same states: ``replay.py``), so it needs no seed of its own."""
+    if start is None:
+        return epoch
+    digest = hashlib.blake2b(start["torch"].numpy().tobytes() + str(epoch).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
