@@ -95,11 +95,11 @@ def load_weights(
         ]
         if missing:
             raise ConfigError(f"{where} lacks weights of the model: {missing[:10]}")
+    check_dtypes(model, state, where, own)  # first: a misread header can look like another shape too
     misfits = [k for k, t in state.items() if own[k].shape != t.shape]
     if misfits:  # refused before anything is copied (load_state_dict copies the fitting ones, then raises)
         shapes = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in misfits[:5]]
         raise ConfigError(f"{where} does not fit the model: (name, saved shape, model shape) {shapes}")
-    check_dtypes(model, state, where, own)
     if plain_loading(model):
         with torch.no_grad():
             for key, tensor in state.items():
@@ -158,14 +158,30 @@ def check_dtypes(
     or bfloat16 model) keeps the values and is left to ``load_state_dict``, as transformers does.
     """
     own = model.state_dict(keep_vars=True) if own is None else own
-    wrong = [(k, t.dtype, own[k].dtype) for k, t in state.items() if k in own and _misread(t.dtype, own[k].dtype)]
+    wrong = [k for k, t in state.items() if k in own and (_misread(t.dtype, own[k].dtype) or _recut(t, own[k]))]
     if wrong:
-        listed = [(k, str(a).removeprefix("torch."), str(b).removeprefix("torch.")) for k, a, b in wrong[:5]]
+        listed = [(k, _name(state[k].dtype), _name(own[k].dtype)) for k in wrong[:5]]
+        recut = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in wrong[:5] if _recut(state[k], own[k])]
+        shapes = (
+            f", declared with a shape holding exactly the model's bytes (name, saved, model) {recut}" if recut else ""
+        )
         raise ConfigError(
             f"{where} does not fit the model: {len(wrong)} weight(s) saved with a dtype that is not the model's "
-            f"(name, saved dtype, model dtype) {listed}; their bytes would be read as other numbers. Load it into "
-            "a model of the dtypes that saved it (and cast the model after loading if you need others)"
+            f"(name, saved dtype, model dtype) {listed}{shapes}; their bytes would be read as other numbers. Load it "
+            "into a model of the dtypes that saved it (and cast the model after loading if you need others)"
         )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _recut(saved: torch.Tensor, model: torch.Tensor) -> bool:
+    """Another dtype *and* another shape over exactly the model tensor's bytes (a float16 header doubling the last
+    dimension of a float32 weight): a header misread, not another model, which differs in its bytes too."""
+    if saved.dtype == model.dtype or saved.shape == model.shape:
+        return False
+    return saved.numel() * saved.element_size() == model.numel() * model.element_size()
 
 
 def _misread(saved: torch.dtype, model: torch.dtype) -> bool:
