@@ -172,6 +172,13 @@ CALL_DIFFERENCES = {
 }
 
 
+#: overrides trainbus calls once more than transformers in the resumed train: the run resumes from checkpoint-4,
+#: the last step of the first epoch, and trainbus's resumed run closes that epoch (EPOCH_END: on_epoch_end, and
+#: the epoch's _maybe_log_save_evaluate) as the interrupted run would have, where transformers starts the next
+#: epoch; so interrupted + resumed calls it as often as the uninterrupted run does
+RESUMED_EPOCH_TAIL = {"_maybe_log_save_evaluate"}
+
+
 HONOURED_HERE = sorted(
     n for n in hf_methods() if n in HONOURED and n != "__init__" and hasattr(transformers.Trainer, n)
 )
@@ -185,6 +192,8 @@ def test_an_honoured_override_runs_where_transformers_runs_it(name: str, tmp_pat
     if name in CALL_DIFFERENCES:
         assert any(ours.values()), f"trainbus never called the {name} override"
         return
+    if name in RESUMED_EPOCH_TAIL:
+        hf["resumed train"] = {name: hf["resumed train"].get(name, 0) + 1}
     assert ours == hf, f"{name} override calls per phase: transformers {hf}, trainbus {ours}"
 
 
@@ -212,14 +221,14 @@ def test_a_refused_override_is_an_error_naming_it(name: str, tmp_path: Path) -> 
 
 def test_a_refused_override_deeper_in_the_hierarchy_is_found(tmp_path: Path) -> None:
     class Base(Trainer):
-        def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
             return None
 
     class Leaf(Base):
         pass
 
     args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True, max_steps=1)
-    with pytest.raises(ConfigError, match=r"Base\._maybe_log_save_evaluate: use HF callbacks' on_log"):
+    with pytest.raises(ConfigError, match=r"Base\._run_epoch: use the engine's loop"):
         Leaf(Regressor(), args, train_dataset=_data(4))
 
 

@@ -141,6 +141,8 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
     def call_event(self, event: str, engine: Engine, **extra: Any) -> None:
         """Call ``event`` on every callback with HF's arguments; a returned control is honoured."""
         control = engine.control
+        for flag in _CLEARED_BY.get(event, ()):  # transformers' handler clears it before the callbacks run
+            setattr(control, flag, False)
         kwargs = {
             "model": engine.model,
             "processing_class": self.processing_class,
@@ -321,6 +323,16 @@ def standin_plugin(callback: Any) -> type | None:
         "PrinterCallback": Printer,
     }
     return plugins.get(type(callback).__name__)
+
+
+#: the Control flags transformers' CallbackHandler clears when it calls an event (a callback may set them again);
+#: the engine has cleared them already when it fires these, but a subclass's _maybe_log_save_evaluate relies on it
+_CLEARED_BY = {
+    "on_log": ("should_log",),
+    "on_evaluate": ("should_evaluate",),
+    "on_save": ("should_save",),
+    "on_step_begin": ("should_log", "should_evaluate", "should_save"),
+}
 
 
 def _overrides(callback: Any, name: str) -> bool:

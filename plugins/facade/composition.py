@@ -42,6 +42,7 @@ from ..optimization.optimizer_names import optimizer_spec
 from ..optimization.precision import MixedPrecision
 from ..optimization.regularization import LabelSmoothing, NEFTune
 from ..optimization.schedulers import LRScheduler
+from .log_save_evaluate import LogSaveEvaluate, StepEndLogger, check_step_end_override
 from .model_folder import checkpoint_extras
 
 
@@ -209,12 +210,18 @@ def _eval_and_save_plugins(trainer: Any, args: TrainingArguments, preprocess_log
 
 def _observability_plugins(trainer: Any, args: TrainingArguments) -> list[Plugin]:
     """The logger (its train-end metrics are what ``train()`` returns), progress, debugging, memory, sinks."""
-    trainer.train_logger = TrainLogger(
+    step_end = trainer.overrides("_maybe_log_save_evaluate")  # then the subclass's override logs the loss
+    logger = StepEndLogger if step_end else TrainLogger
+    trainer.train_logger = logger(
         args.logging_nan_inf_filter,
         str(args.include_num_input_tokens_seen),
         input_name=getattr(trainer.model, "main_input_name", "input_ids"),
     )
     plugins: list[Plugin] = [trainer.train_logger]
+    if step_end or trainer.overrides("_get_learning_rate"):  # called where transformers calls them
+        if step_end:
+            check_step_end_override(type(trainer))
+        plugins.append(LogSaveEvaluate(step_end, args.logging_nan_inf_filter))
     plugins.append(Printer() if args.disable_tqdm else ProgressBars())
     if "underflow_overflow" in args.debug:
         plugins.append(UnderflowOverflowDebug())

@@ -65,6 +65,11 @@ HONOURED: dict[str, str] = {
     "_load_from_checkpoint": "resume_from_checkpoint, once the checkpoint is verified; its super() applies the weights",
     "_load_best_model": "the end of training with load_best_model_at_end and a best checkpoint",
     "_issue_warnings_after_load": "after the weights load of _load_from_checkpoint and _load_best_model",
+    "_maybe_log_save_evaluate": "after every optimizer step's on_step_end and every epoch's on_epoch_end, with "
+    "transformers' arguments (tr_loss accumulating since the last log, grad_norm, learning_rate, ...); its "
+    "decisions replace the engine's logging, evaluation and saving for the run, its super() logs, evaluates "
+    "(_evaluate) and saves (_save_checkpoint) as transformers' does",
+    "_get_learning_rate": "every optimizer step, before the scheduler moves; the learning_rate logged is its value",
 }
 
 OFFERED: dict[str, str] = {
@@ -107,11 +112,8 @@ REFUSED: dict[str, str] = {
     "_init_training_state": _LOOP,
     "_prepare_for_training": _LOOP,
     "_finalize_training": _LOOP + " (Event.TRAIN_END)",
-    "_maybe_log_save_evaluate": "HF callbacks' on_log / on_evaluate / on_save, or a plugin on Event.LOG, "
-    "EVAL_END and CHECKPOINT_SAVED; an evaluate() override is called by every scheduled evaluation",
     "_determine_best_metric": "metric_for_best_model / greater_is_better, or an evaluate() override returning "
     "the metric",
-    "_get_learning_rate": "the LRScheduler plugin (learning_rate is logged from the optimizer's first group)",
     "_clip_grad_norm": "the GradientClipping plugin (max_grad_norm)",
     "_get_grad_norm": "the GradientClipping plugin (max_grad_norm)",
     "_track_num_input_tokens": "include_num_input_tokens_seen (the TokenCounter plugin)",

@@ -263,15 +263,16 @@ class TrainerInternals:
         LRScheduler plugin at EVAL_END)."""
         return self.evaluate(ignore_keys=ignore_keys_for_eval)  # type: ignore[attr-defined]
 
-    def _scheduled_evaluation(self) -> None:
+    def _scheduled_evaluation(self, trial: Any = None, ignore_keys_for_eval: list[str] | None = None) -> None:
         """Every evaluation the schedule asks for goes through ``self._evaluate`` when a subclass overrides it or a
         test patches it on the instance (transformers' own tests do): the metrics it returns decide the best
-        checkpoint, save_strategy="best" and early stopping."""
+        checkpoint, save_strategy="best" and early stopping. (The arguments: a ``_maybe_log_save_evaluate``'s.)"""
         patched = "_evaluate" in self.__dict__ or type(self)._evaluate is not TrainerInternals._evaluate
         if not patched:
-            self.evaluate()  # type: ignore[attr-defined]
+            keys = {} if ignore_keys_for_eval is None else {"ignore_keys": ignore_keys_for_eval}
+            self.evaluate(**keys)  # type: ignore[attr-defined]
             return
-        self._one_evaluation("eval", lambda: self._evaluate(None, None))
+        self._one_evaluation("eval", lambda: self._evaluate(trial, ignore_keys_for_eval))
 
     def _one_evaluation(self, prefix: str, body: Callable[[], Any]) -> Any:
         """EVAL_START, ``body()`` (its loops fire the batches), EVAL_END with the metrics ``body`` returned."""

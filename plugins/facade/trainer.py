@@ -4,13 +4,12 @@ Porting a script means changing the import::
 
     from trainbus.plugins import Trainer, TrainingArguments
 
-Subclass overrides of ``compute_loss``, ``training_step``, ``prediction_step``, ``evaluate`` and
-``log`` are honoured as in HF: the engine's step hooks call the overriding methods.
+Subclass overrides of transformers' methods are honoured where HF calls them (``hf_names.py`` lists them).
 
 The methods live with their ideas, as mixins: the step hooks and HF's step methods (``step_hooks.py``),
-the dataloaders (``dataloaders.py``), the optimizer and scheduler (``optimizer_setup.py``), the
-script helpers (``utilities.py``), the process side (``trainer_processes.py``); ``save_model`` is
-``saving.py``, the plugins are ``composition.py``'s.
+``_maybe_log_save_evaluate`` (``log_save_evaluate.py``), the dataloaders (``dataloaders.py``), the optimizer
+and scheduler (``optimizer_setup.py``), the script helpers (``utilities.py``), the process side
+(``trainer_processes.py``); ``save_model`` is ``saving.py``, the plugins are ``composition.py``'s.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from .composition import (
 )
 from .dataloaders import TrainerData, pads_batches
 from .hf_names import REFUSED, check_overrides, check_sharded_overrides, refusing_method
+from .log_save_evaluate import TrainerLogSaveEvaluate
 from .loss_protocol import accepts_loss_kwargs, default_label_names, item_counter
 from .model_card import write_model_card
 from .model_folder import align_special_tokens, applies_use_cache
@@ -68,6 +68,7 @@ class Trainer(
     TrainerCheckpointing,
     TrainerInternals,
     TrainerStepHooks,
+    TrainerLogSaveEvaluate,
     TrainerData,
     TrainerOptimizers,
     TrainerUtilities,
@@ -374,7 +375,6 @@ class Trainer(
         """Log ``logs`` (adds ``epoch``, appends to ``state.log_history``, calls on_log)."""
         super().log(logs)
 
-    # -- callbacks (HF names) -------------------------------------------------------------------
     def add_callback(self, callback: Any) -> None:
         if _is_plugin(callback):
             self.add_plugin(callback() if isinstance(callback, type) else callback)

@@ -1,0 +1,193 @@
+"""A subclass's ``_maybe_log_save_evaluate`` / ``_get_learning_rate`` decides as under transformers (#34 item 2).
+
+The same subclasses run under ``transformers.Trainer`` and ``trainbus.Trainer``; their ``state.log_history``
+(runtimes aside) and the checkpoints they leave must be transformers'. The subclasses are the common kinds: one
+that logs a metric of its own with the loss (transformers' logging body, written out), one that evaluates every
+third step whatever the arguments say, one that copies transformers' whole body (``_evaluate``,
+``_determine_best_metric``, ``_save_checkpoint``, ``callback_handler.on_save``), one that overrides
+``_get_learning_rate``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.test_hf_total_surface import Regressor, _data  # noqa: E402
+from trainbus.engine import ConfigError  # noqa: E402
+from trainbus.plugins import Trainer, TrainingArguments  # noqa: E402
+from trainbus.plugins.facade.log_save_evaluate import LogSaveEvaluate, StepEndLogger  # noqa: E402
+from trainbus.plugins.observability.logging import TrainLogger  # noqa: E402
+
+
+class OwnMetric:
+    """Logs the loss as transformers does, with the learning rate x 1000 beside it; the rest is super()'s."""
+
+    def _maybe_log_save_evaluate(
+        self: Any, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
+    ) -> None:
+        if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
+            steps = self.state.global_step - self._globalstep_last_logged
+            total = tr_loss.item()
+            tr_loss -= tr_loss
+            logs = {"loss": total / steps, "grad_norm": float(grad_norm), "learning_rate": learning_rate}
+            logs["lr_x_1000"] = learning_rate * 1000
+            self._total_loss_scalar += total
+            self._globalstep_last_logged = self.state.global_step
+            self.store_flos()
+            self.log(logs, start_time)
+        super()._maybe_log_save_evaluate(  # should_log is spent (log() cleared it): evaluates and saves
+            tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
+        )
+
+
+class EveryThirdStep:
+    """Evaluates every third step (and saves after it), whatever eval_strategy says."""
+
+    def _maybe_log_save_evaluate(self: Any, *args: Any, **kwargs: Any) -> None:
+        if self.state.global_step % 3 == 0:
+            self.control.should_evaluate = True
+            self.control.should_save = True
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+
+
+class CopiedBody:
+    """transformers' body written out (no super()): what ported subclasses that edit it look like."""
+
+    def _maybe_log_save_evaluate(
+        self: Any, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
+    ) -> None:
+        if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
+            total = tr_loss.item()
+            tr_loss -= tr_loss
+            logs = {"loss": total / (self.state.global_step - self._globalstep_last_logged)}
+            logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+            logs["learning_rate"] = learning_rate if learning_rate is not None else self._get_learning_rate()
+            logs["epoch_index"] = epoch
+            self._total_loss_scalar += total
+            self._globalstep_last_logged = self.state.global_step
+            self.store_flos()
+            self.log(logs, start_time)
+        if self.control.should_evaluate:
+            metrics = self._evaluate(trial, ignore_keys_for_eval)
+            best = self._determine_best_metric(metrics=metrics, trial=trial)
+            if self.args.save_strategy == "best":
+                self.control.should_save = best
+        if self.control.should_save:
+            self._save_checkpoint(model, trial)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+
+class FixedRate:
+    def _get_learning_rate(self: Any) -> float:
+        return 0.125 * self.state.global_step
+
+
+def _run(base: type, mixin: type, args_cls: type, out: Path, **overrides: Any) -> tuple[list[dict[str, Any]], Any]:
+    cls = type(mixin.__name__, (mixin, base), {})
+    kwargs: dict[str, Any] = {
+        "report_to": "none",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "max_steps": 8,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "save_steps": 4,
+        "logging_steps": 2,
+        "gradient_accumulation_steps": 2,
+        "per_device_train_batch_size": 2,
+        **overrides,
+    }
+    torch.manual_seed(0)
+    trainer = cls(Regressor(), args_cls(str(out), **kwargs), train_dataset=_data(16), eval_dataset=_data(8))
+    trainer.train()
+    return trainer.state.log_history, trainer
+
+
+def _comparable(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in record.items() if "runtime" not in k and "per_second" not in k} for record in history]
+
+
+def _assert_same_history(hf: list[dict[str, Any]], ours: list[dict[str, Any]]) -> None:
+    hf, ours = _comparable(hf), _comparable(ours)
+    assert [sorted(r) for r in ours] == [sorted(r) for r in hf], f"records: transformers {hf}\ntrainbus {ours}"
+    for theirs, mine in zip(hf, ours, strict=True):
+        for key, value in theirs.items():
+            if isinstance(value, float):  # transformers 4.57's super() rounds the loss to 4 digits
+                assert math.isclose(mine[key], value, rel_tol=1e-6, abs_tol=1e-4), (key, theirs, mine)
+            else:
+                assert mine[key] == value, (key, theirs, mine)
+
+
+EPOCHS = {"eval_strategy": "epoch", "save_strategy": "epoch", "logging_strategy": "epoch"}
+SUBCLASSES = {
+    "own metric": (OwnMetric, {}),
+    "every third step": (EveryThirdStep, {"eval_strategy": "no", "save_strategy": "no"}),
+    "copied body, save best": (CopiedBody, {"save_strategy": "best", "metric_for_best_model": "loss"}),
+    "copied body, epochs": (CopiedBody, {"max_steps": -1, "num_train_epochs": 2, **EPOCHS}),
+    "learning rate": (FixedRate, {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SUBCLASSES))
+def test_the_subclass_logs_evaluates_and_saves_as_under_transformers(case: str, tmp_path: Path) -> None:
+    mixin, overrides = SUBCLASSES[case]
+    hf, _ = _run(transformers.Trainer, mixin, transformers.TrainingArguments, tmp_path / "hf", **overrides)
+    ours, _ = _run(Trainer, mixin, TrainingArguments, tmp_path / "tb", **overrides)
+    _assert_same_history(hf, ours)
+    assert sorted(os.listdir(tmp_path / "tb")) == sorted(os.listdir(tmp_path / "hf"))
+    assert any("eval_loss" in record for record in ours)
+
+
+def test_a_resumed_run_logs_what_the_uninterrupted_one_logs(tmp_path: Path) -> None:
+    """The checkpoint at step 3 falls inside a logging window: tr_loss and the totals go on from it."""
+    whole, _ = _run(Trainer, OwnMetric, TrainingArguments, tmp_path / "whole", save_steps=3)
+
+    class StopAtThree(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            control.should_training_stop = control.should_training_stop or state.global_step == 3
+
+    cls = type("OwnMetric", (OwnMetric, Trainer), {})
+    args = TrainingArguments(
+        str(tmp_path / "cut"), report_to="none", use_cpu=True, disable_tqdm=True, max_steps=8, eval_strategy="steps",
+        eval_steps=2, save_steps=3, logging_steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    cls(Regressor(), args, train_dataset=_data(16), eval_dataset=_data(8), callbacks=[StopAtThree()]).train()
+    torch.manual_seed(0)
+    resumed = cls(Regressor(), args, train_dataset=_data(16), eval_dataset=_data(8))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-3"))
+    after = [r for r in _comparable(resumed.state.log_history) if r["step"] > 3]
+    expected = [r for r in _comparable(whole) if r["step"] > 3]
+    assert [sorted(r) for r in after] == [sorted(r) for r in expected]
+    for mine, theirs in zip(after, expected, strict=True):
+        for key, value in theirs.items():
+            assert mine[key] == pytest.approx(value, rel=1e-6), (key, theirs, mine)
+
+
+def test_an_override_without_transformers_arguments_is_refused_at_construction(tmp_path: Path) -> None:
+    class Old(Trainer):
+        def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch):  # type: ignore[override]
+            return None
+
+    args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True, max_steps=1)
+    with pytest.raises(ConfigError, match=r"Old\._maybe_log_save_evaluate.*cannot take transformers' arguments"):
+        Old(Regressor(), args, train_dataset=_data(4))
+
+
+def test_without_an_override_nothing_is_added(tmp_path: Path) -> None:
+    """The default Trainer keeps trainbus's logger and no per-step handler of this module."""
+    args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True, max_steps=1)
+    trainer = Trainer(Regressor(), args, train_dataset=_data(4))
+    assert type(trainer.train_logger) is TrainLogger
+    assert trainer.get_plugin(LogSaveEvaluate) is None
+    subclass = type("WithOverride", (OwnMetric, Trainer), {})(Regressor(), args, train_dataset=_data(4))
+    assert type(subclass.train_logger) is StepEndLogger and subclass.train_logger.name == "TrainLogger"
+    assert subclass.get_plugin(LogSaveEvaluate) is not None
