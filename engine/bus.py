@@ -25,7 +25,18 @@ from typing import Any
 from .errors import ConfigError, note_handler
 from .events import END_EVENTS, Event, EventType, FilteredEvent, P, event_by_name
 from .filters import EventFilter
-from .ordering import EVERY, Order, Phase, Priority, Registration, Targets, ordered, phase_name, target_names
+from .ordering import (
+    EVERY,
+    Order,
+    Phase,
+    Priority,
+    Registration,
+    Targets,
+    field_names,
+    ordered,
+    phase_name,
+    target_names,
+)
 from .signatures import check_handler
 
 __all__ = [
@@ -119,14 +130,18 @@ class EventBus:
         cleanup: bool = False,
         before: Targets = (),
         after: Targets = (),
+        reads: Targets = (),
+        writes: Targets = (),
     ) -> Handle:
         """Register ``handler`` for ``event`` (an Event, a filtered event, or an event name).
 
         ``priority`` is the phase (a ``Priority`` constant, or ``Priority.X.before(...)``, which
         carries constraints too); ``before`` / ``after`` name the handlers of this event it runs
         before / after: a handler name, a plugin name (all its handlers), ``"*"`` (every other
-        handler of the phase), or a list of them. See the module docstring for the rule; a
-        constraint that cannot hold raises ConfigError and registers nothing.
+        handler of the phase), or a list of them. ``reads`` / ``writes`` name the payload fields it
+        reads and writes (``"metrics"``, or one key ``"metrics.eval_loss"``): every writer of a field
+        runs before every other handler that reads it. See the module docstring for the rule; a
+        constraint that cannot hold raises ConfigError, naming both handlers, and registers nothing.
 
         ``cleanup=True`` (END events only) makes the handler run also when the block failed: on the
         END fired after EXCEPTION, and after an earlier handler of the same END raised; it then sees
@@ -161,6 +176,8 @@ class EventBus:
             cleanup,
             order.precedes + target_names(before, "before"),
             order.follows + target_names(after, "after"),
+            field_names(reads, "reads", event),
+            field_names(writes, "writes", event),
         )
         self._make_room(event)
         self._set_handlers(event.index, ordered(self._handlers[event.index] + (record,)))

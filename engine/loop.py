@@ -234,14 +234,18 @@ class Engine(Passes, Assembly, Lifecycle):
         cleanup: bool = False,
         before: Targets = (),
         after: Targets = (),
+        reads: Targets = (),
+        writes: Targets = (),
     ) -> Handle:
         """Register a handler; returns a handle whose ``remove()`` unregisters it.
 
         ``priority`` is its phase; ``before`` / ``after`` name handlers (or plugins, or ``"*"``) of the
-        event it runs before / after inside it. ``cleanup=True`` (END events): run also when the block
+        event it runs before / after inside it; ``reads`` / ``writes`` the payload fields it reads and
+        writes (writers run before readers). ``cleanup=True`` (END events): run also when the block
         failed. See ``EventBus.on``.
         """
-        return self.bus.on(event, handler, priority=priority, name=name, cleanup=cleanup, before=before, after=after)
+        return self.bus.on(event, handler, priority=priority, name=name, cleanup=cleanup, before=before, after=after,
+                           reads=reads, writes=writes)  # fmt: skip
 
     # -- firing --------------------------------------------------------------------------------
     def _fire(self, event: EventType[P], make: Callable[[], P]) -> P | None:

@@ -2,18 +2,24 @@
 
 A handler runs in a phase, one of the ``Priority`` constants (FIRST, PRODUCER, DEFAULT, CONSUMER,
 LAST: earlier phases run first), and may say which handlers of its event it runs ``before`` or
-``after``. ``ordered`` turns the registrations of one event into their call order: phases first to
-last, inside a phase a topological order of the constraints that picks the earliest registered of
-the ready handlers. The bus (``bus.py``) calls it on registration and removal, never per event.
+``after``. A handler may also declare what it reads and writes on the payload (``reads="metrics"``,
+``writes="metrics"``, or one key, ``"metrics.eval_loss"``): every writer of a field runs before every
+other handler that reads it, whatever order the plugins were listed in, so the order follows the data.
+``ordered`` turns the registrations of one event into their call order: phases first to last, inside
+a phase a topological order of the constraints that picks the earliest registered of the ready
+handlers. A constraint that cannot hold (a cycle, a reader in an earlier phase than its writer) is a
+ConfigError naming both handlers. The bus (``bus.py``) calls it on registration and removal, never
+per event.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
-from .errors import ConfigError
+from .errors import ConfigError, suggest
 from .events import EventType
 from .filters import EventFilter
 
@@ -44,6 +50,24 @@ def target_names(targets: Targets, what: str) -> tuple[str, ...]:
     for target in names:
         if not isinstance(target, str) or not target:
             raise ConfigError(f"{what}= takes handler or plugin names (or '*'), got {targets!r}")
+    return names
+
+
+def field_names(targets: Targets, what: str, event: EventType[Any]) -> tuple[str, ...]:
+    """``reads=`` / ``writes=`` as a tuple of payload fields (``"metrics"``, ``"metrics.eval_loss"``), checked
+    against ``event``'s payload class."""
+    names = (targets,) if isinstance(targets, str) else tuple(targets)
+    payload = event.payload_type
+    fields = [f.name for f in dataclasses.fields(payload)] if dataclasses.is_dataclass(payload) else []
+    allowed = [f for f in fields if f != "engine"]
+    for target in names:
+        field = target.partition(".")[0] if isinstance(target, str) else None
+        if field not in allowed:
+            raise ConfigError(
+                f"{what}={targets!r} at event {event.name}: {target!r} is no field of its payload "
+                f"{event.payload_type.__name__}{suggest(str(field), allowed)}; fields: {allowed} (a key inside one: "
+                f"'{allowed[0] if allowed else 'field'}.key')"
+            )
     return names
 
 
@@ -142,7 +166,7 @@ def phase_name(priority: int) -> str:
 class Registration:
     """One handler registered on one event: what the bus keeps, and what ``ordered`` sorts."""
 
-    __slots__ = ("after", "before", "cleanup", "event", "filter", "fn", "name", "priority", "seq")
+    __slots__ = ("after", "before", "cleanup", "event", "filter", "fn", "name", "priority", "reads", "seq", "writes")
 
     def __init__(
         self,
@@ -155,6 +179,8 @@ class Registration:
         cleanup: bool = False,
         before: tuple[str, ...] = (),
         after: tuple[str, ...] = (),
+        reads: tuple[str, ...] = (),
+        writes: tuple[str, ...] = (),
     ) -> None:
         self.event = event
         self.fn = fn
@@ -165,6 +191,8 @@ class Registration:
         self.cleanup = cleanup
         self.before = before
         self.after = after
+        self.reads = reads
+        self.writes = writes
 
     def names(self, target: str) -> bool:
         """Whether ``target`` (a handler name, or a plugin name for its ``<plugin>.<method>`` handlers) is this."""
@@ -181,9 +209,10 @@ def ordered(records: Iterable[Registration]) -> tuple[Registration, ...]:
     of an earlier phase (or after one of a later phase).
     """
     by_seq = sorted(records, key=lambda r: r.seq)
-    if not any(r.before or r.after for r in by_seq):
+    if not any(r.before or r.after or r.writes for r in by_seq):
         return tuple(sorted(by_seq, key=lambda r: -r.priority))  # stable: registration order in a phase
     edges: dict[Registration, dict[Registration, str]] = {r: {} for r in by_seq}  # first -> then -> why
+    _add_data_edges(edges, by_seq)
     wild: list[tuple[Registration, Registration, str]] = []
     for record in by_seq:
         for direction, targets in (("before", record.before), ("after", record.after)):
@@ -236,6 +265,27 @@ def _add_edge(
             "move one of them to another phase or drop the constraint"
         )
     edges[first].setdefault(then, why)
+
+
+def overlaps(written: str, read: str) -> bool:
+    """Whether writing ``written`` can change what reading ``read`` sees: the same field, or one inside
+    the other (``"metrics"`` and ``"metrics.eval_loss"``); two different keys of one field do not."""
+    return written == read or written.startswith(read + ".") or read.startswith(written + ".")
+
+
+def _add_data_edges(edges: dict[Registration, dict[Registration, str]], records: list[Registration]) -> None:
+    """A handler that writes a payload field runs before every other handler that reads it (``reads=`` /
+    ``writes=``), whatever the registration order; a reader in an earlier phase than the writer raises."""
+    writers = [r for r in records if r.writes]
+    if not writers:
+        return
+    for reader in (r for r in records if r.reads):
+        for writer in writers:
+            if writer is reader:
+                continue
+            shared = next((f"{w}" for w in writer.writes for x in reader.reads if overlaps(w, x)), None)
+            if shared is not None:
+                _add_edge(edges, writer, reader, f"{writer.name!r} writes {shared!r}, which {reader.name!r} reads")
 
 
 def _raise_cycle(edges: dict[Registration, dict[Registration, str]], stuck: list[Registration]) -> NoReturn:

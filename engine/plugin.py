@@ -35,6 +35,10 @@ class Plugin:
       counter that ``state_dict()`` forgets is found; an attribute listed here is not compared.
       A test may instead pass ``ignore_attributes=["Plugin.attribute"]`` to the check. Anything the
       run's result depends on belongs in ``state_dict()`` / ``load_state_dict()`` instead.
+    - ``reads`` / ``writes``: per handler method, the payload fields it reads and writes, e.g.
+      ``reads = {"eval_end": "metrics"}``: the same as ``reads=`` / ``writes=`` given to ``on``.
+      A handler that writes a field runs before every other handler that reads it, in any plugin
+      order; a reader placed in an earlier phase than a writer is a ConfigError naming both.
 
     Example:
         >>> from trainbus.engine import Plugin, Event
@@ -57,6 +61,10 @@ class Plugin:
     #: attributes that differ after a resume on purpose (a start time, a path, a cache): the testing
     #: kit's ``check_resume_equivalence`` compares every other plain-data attribute with the uninterrupted run
     not_resumed: ClassVar[tuple[str, ...]] = ()
+    #: per handler method name, the payload fields it reads / writes (``{"eval_end": "metrics"}``), as if
+    #: ``reads=`` / ``writes=`` were given to ``on``: writers of a field run before its readers
+    reads: ClassVar[Mapping[str, Targets]] = {}
+    writes: ClassVar[Mapping[str, Targets]] = {}
 
     @property
     def name(self) -> str:
@@ -114,6 +122,8 @@ class Plugin:
         cleanup: bool = False,
         before: Targets = (),
         after: Targets = (),
+        reads: Targets = (),
+        writes: Targets = (),
     ) -> Handle:
         """Register ``handler`` and remember it for ``detach``; named ``<plugin>.<method>``.
 
@@ -122,7 +132,9 @@ class Plugin:
         others may name this one ``"<plugin>.<method>"``, or the plugin's name for all its handlers.
 
         ``cleanup=True`` (END events only): the handler also runs when the block failed, with
-        ``payload.error`` set, e.g. to put back weights an evaluation swapped in.
+        ``payload.error`` set, e.g. to put back weights an evaluation swapped in. ``reads`` / ``writes``:
+        the payload fields the handler reads / writes (see ``EventBus.on``), added to what the class
+        declares for this method in ``reads`` / ``writes``.
         """
         label = getattr(handler, "__name__", type(handler).__name__)
         handle: Handle = engine.on(
@@ -133,6 +145,8 @@ class Plugin:
             cleanup=cleanup,
             before=before,
             after=after,
+            reads=_fields(reads) + _fields(type(self).reads.get(label, ())),
+            writes=_fields(writes) + _fields(type(self).writes.get(label, ())),
         )
         self.__dict__.setdefault("_plugin_handles", []).append(handle)
         return handle
@@ -150,6 +164,10 @@ class Plugin:
         token = engine.wrap_hook(hook, wrapper, owner=self.name, innermost=innermost)
         self.__dict__.setdefault("_plugin_wraps", []).append(token)
         return token
+
+
+def _fields(targets: Targets) -> tuple[str, ...]:
+    return (targets,) if isinstance(targets, str) else tuple(targets)
 
 
 #: what ``Plugin.schedules()`` may name: the Control requests a plugin makes

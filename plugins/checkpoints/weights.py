@@ -19,7 +19,10 @@ parameters); anything else that does not fit is refused before a tensor is copie
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -28,6 +31,9 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from trainbus.engine import ConfigError
+
+#: set to 1 to load weights holding NaN (or a parameter holding an infinity) with a warning instead of refusing them
+NONFINITE_OPT_IN = "TRAINBUS_ALLOW_NONFINITE_WEIGHTS"
 
 
 def tied_target_patterns(model: torch.nn.Module) -> list[str]:
@@ -95,7 +101,7 @@ def load_weights(
         ]
         if missing:
             raise ConfigError(f"{where} lacks weights of the model: {missing[:10]}")
-    check_dtypes(model, state, where, own)  # first: a misread header can look like another shape too
+    check_weights(model, state, where, own)  # first: a misread header can look like another shape too
     misfits = [k for k, t in state.items() if own[k].shape != t.shape]
     if misfits:  # refused before anything is copied (load_state_dict copies the fitting ones, then raises)
         shapes = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in misfits[:5]]
@@ -114,7 +120,7 @@ def load_weights(
 def _own_loading(model: torch.nn.Module, state: Mapping[str, torch.Tensor], where: str) -> Any:
     """A model with a ``load_state_dict`` of its own decides what fits (a buffer it resizes, keys it renames):
     it gets the state as transformers' Trainer gives it, ``load_state_dict(state, False)``; dtypes are checked."""
-    check_dtypes(model, state, where)
+    check_weights(model, state, where)
     try:
         return model.load_state_dict(dict(state), False)
     except RuntimeError as exc:
@@ -141,6 +147,50 @@ def plain_loading(model: torch.nn.Module) -> bool:
         or module._load_state_dict_post_hooks
         for module in model.modules()
     )
+
+
+def check_weights(
+    model: torch.nn.Module,
+    state: Mapping[str, torch.Tensor],
+    where: str,
+    own: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Everything saved weights are checked for before a tensor is copied: ``check_dtypes``, ``check_finite``."""
+    own = model.state_dict(keep_vars=True) if own is None else own
+    check_dtypes(model, state, where, own)
+    check_finite(state, where, own)
+
+
+def check_finite(state: Mapping[str, torch.Tensor], where: str, own: Mapping[str, torch.Tensor]) -> None:
+    """Refuse (ConfigError) saved weights holding NaN, or a parameter holding an infinity (#37 item 7).
+
+    A run that diverged saves such weights, and a run resumed from them trains on NaN without a word.
+    Buffers may hold infinities (an attention mask of -inf), never NaN. Each tensor costs one float64
+    sum (NaN and infinities survive it, no finite sum of float32 values overflows float64) and no copy;
+    only a tensor whose sum is not finite is counted value by value. With ``TRAINBUS_ALLOW_NONFINITE_WEIGHTS=1``
+    they load, with a warning naming them.
+    """
+    bad = []
+    for name, tensor in state.items():
+        if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0 or tensor.is_meta:
+            continue
+        values = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+        if math.isfinite(torch.sum(values, dtype=torch.float64).item()):
+            continue
+        nan, inf = int(torch.isnan(values).sum()), int(torch.isinf(values).sum())
+        parameter = isinstance(own.get(name), torch.nn.Parameter)
+        if nan or (parameter and inf):
+            bad.append(f"{name!r}: {nan} NaN, {inf if parameter else 0} infinite of {values.numel()}")
+    if not bad:
+        return
+    text = (
+        f"{where} holds non-finite weights ({len(bad)} tensor(s): {'; '.join(bad[:5])}): the run that saved them "
+        "had diverged, and training on from them trains on NaN. Resume an earlier checkpoint"
+    )
+    if os.environ.get(NONFINITE_OPT_IN) == "1":
+        warnings.warn(f"{text}; loading them anyway, as {NONFINITE_OPT_IN}=1 asks", UserWarning, stacklevel=3)
+        return
+    raise ConfigError(f"{text}, or set {NONFINITE_OPT_IN}=1 to load them anyway")
 
 
 def check_dtypes(

@@ -90,6 +90,8 @@ class IgniteMetrics(Plugin):
     """
 
     priority = Priority.PRODUCER
+    #: the metrics go into the payloads' ``metrics``: readers of it (TrainLogger) run after, in any plugin order
+    writes = {"eval_end": "metrics", "predict_end": "metrics"}
 
     def __init__(
         self, metrics: Mapping[str, Metric], output_transform: Callable[[BatchEvent], Any] | None = None
