@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import torch
 from ignite.exceptions import NotComputableError
@@ -91,7 +91,7 @@ class IgniteMetrics(Plugin):
 
     priority = Priority.PRODUCER
     #: the metrics go into the payloads' ``metrics``: readers of it (TrainLogger) run after, in any plugin order
-    writes = {"eval_end": "metrics", "predict_end": "metrics"}
+    writes: ClassVar[Mapping[str, str]] = {"eval_end": "metrics", "predict_end": "metrics"}
 
     def __init__(
         self, metrics: Mapping[str, Metric], output_transform: Callable[[BatchEvent], Any] | None = None
