@@ -55,6 +55,7 @@ class State:
     optimizer_steps_taken: int = 0  # global_step minus vetoed / overflowed steps
     micro_steps: int = 0  # micro-batches trained on in the whole run
     event_counts: dict[str, int] = field(default_factory=dict)  # firings of the events outside a step
+    run_id: str | None = None  # the run's identity: set when it starts, kept by its resumes (None: not started yet)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

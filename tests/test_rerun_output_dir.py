@@ -47,7 +47,8 @@ def tree(root: Path) -> dict[str, bytes]:
 def ckpt_files(root: Path) -> dict[str, bytes]:
     """The checkpoints directly in root, file by file, less the files that name the directory.
 
-    trainbus_state.json less its event_counts: a resumed run fires TRAIN_START and EPOCH_START once more.
+    trainbus_state.json less its event_counts (a resumed run fires TRAIN_START and EPOCH_START once more) and its
+    run_id (each run has its own).
     """
     return {name: _less_event_counts(name, data) for name, data in tree(root).items()
             if name.startswith("checkpoint-") and Path(name).name not in NAMING_THE_DIR}  # fmt: skip
@@ -57,7 +58,7 @@ def _less_event_counts(name: str, data: bytes) -> bytes:
     if Path(name).name != "trainbus_state.json":
         return data
     document = json.loads(data)
-    del document["state"]["event_counts"]
+    del document["state"]["event_counts"], document["state"]["run_id"]
     return json.dumps(document, sort_keys=True).encode()
 
 

@@ -231,11 +231,13 @@ def _resume_in_this_process(config: dict[str, int], checkpoint_dir: Path, result
 
 def test_resume_true_without_checkpoints_lists_what_it_found(tmp_path: Path) -> None:
     config = {"seed": 0, "n_items": 4, "batch_size": 2, "k": 1, "epochs": 1}
-    (tmp_path / "checkpoint-3.tmp-1").mkdir()
+    (tmp_path / "checkpoint-3.tmp-1").mkdir()  # pid 1 lives, but the output_dir lock is free: no save is running
     (tmp_path / "checkpoint-2").mkdir()  # no manifest: incomplete
+    (tmp_path / "notes.txt").write_text("")
     engine = build(config, tmp_path)
-    with pytest.raises(ConfigError, match=r"no complete checkpoint.*checkpoint-2.*checkpoint-3\.tmp-1"):
+    with pytest.raises(ConfigError, match=r"no complete checkpoint.*found: \['checkpoint-2', 'notes.txt'\]"):
         resume(engine, True)
+    assert not (tmp_path / "checkpoint-3.tmp-1").exists()  # tidied under the lock (the lock, not a pid, says who lives)
     with pytest.raises(ConfigError, match="is not a directory"):
         resume(engine, tmp_path / "nope")
     with pytest.raises(ConfigError, match="must be a path or True"):

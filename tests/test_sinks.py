@@ -29,6 +29,10 @@ def strict_json(line: str) -> dict[str, Any]:
     return json.loads(line, parse_constant=refuse)  # type: ignore[no-any-return]
 
 
+def without_id(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k != "run_id"}
+
+
 def jsonable(record: dict[str, Any]) -> dict[str, Any]:
     return {k: to_json_value(v) for k, v in record.items()}
 
@@ -69,14 +73,16 @@ def test_jsonl_and_csv_hold_the_log_history(tmp_path: Path) -> None:
     assert any("eval_loss" in r for r in history) and any("train_loss" in r for r in history)
 
     lines = (tmp_path / "logs.jsonl").read_text().splitlines()
-    assert [strict_json(line) for line in lines] == [jsonable(r) for r in history]
+    run = trainer.state.run_id
+    assert run is not None and all(strict_json(line)["run_id"] == run for line in lines)  # the run's id in each
+    assert [without_id(strict_json(line)) for line in lines] == [jsonable(r) for r in history]
 
     with (tmp_path / "logs.csv").open(newline="") as f:
         reader = csv.DictReader(f)
         header, rows = list(reader.fieldnames or []), list(reader)
     keys = list(dict.fromkeys(k for r in history for k in r))
-    assert header[0] == "step" and set(header) == set(keys)
-    assert len(rows) == len(history)
+    assert header[0] == "step" and set(header) == {*keys, "run_id"}
+    assert len(rows) == len(history) and all(row.pop("run_id") == run for row in rows)
     for row, record in zip(rows, history, strict=True):
         assert {k for k, v in row.items() if v != ""} == set(record)
         for key, value in record.items():
@@ -92,23 +98,31 @@ def test_evaluate_after_training_appends(tmp_path: Path) -> None:
     assert strict_json(lines[-1])["eval_loss"] == pytest.approx(metrics["eval_loss"])
 
 
-def test_a_fresh_run_starts_the_files_anew(tmp_path: Path) -> None:
+def test_a_fresh_run_starts_the_files_anew_and_sets_the_earlier_ones_aside(tmp_path: Path) -> None:
     first = run_trainer(tmp_path, ["jsonl", "csv"])
-    second = run_trainer(tmp_path, ["jsonl", "csv"])
+    written = {name: (tmp_path / name).read_bytes() for name in ("logs.jsonl", "logs.csv")}
+    with pytest.warns(UserWarning, match=r"logs\.jsonl held records of another run; .* moved that file to"):
+        second = run_trainer(tmp_path, ["jsonl", "csv"])
     assert len(first.state.log_history) == len(second.state.log_history)
     assert len((tmp_path / "logs.jsonl").read_text().splitlines()) == len(second.state.log_history)
     with (tmp_path / "logs.csv").open(newline="") as f:
         assert len(list(csv.DictReader(f))) == len(second.state.log_history)
+    for name, content in written.items():  # the first run's files, byte for byte, beside
+        (aside,) = tmp_path.glob(name.replace("logs.", "logs.*Z."))
+        assert aside.read_bytes() == content
 
 
-def test_a_resumed_run_appends(tmp_path: Path) -> None:
-    (tmp_path / "logs.jsonl").write_text('{"loss": 1.0, "step": 3}\n')
+def test_a_file_of_unknown_records_is_set_aside_not_appended_to(tmp_path: Path) -> None:
+    (tmp_path / "logs.jsonl").write_text('{"loss": 1.0, "step": 3}\n')  # no run_id: an older release's, or anyone's
     engine = _engine([JsonlSink(tmp_path / "logs.jsonl")])
     engine.state.global_step = 3  # as after a resume: TRAIN_START sees a run in progress
-    engine.fit()
+    with pytest.warns(UserWarning, match="held records of another run"):
+        engine.fit()
     engine.log({"loss": 0.5})
     lines = (tmp_path / "logs.jsonl").read_text().splitlines()
-    assert [strict_json(line) for line in lines] == [{"loss": 1.0, "step": 3}, {"loss": 0.5, "step": 3}]
+    assert [strict_json(line) for line in lines] == [{"loss": 0.5, "step": 3, "run_id": engine.state.run_id}]
+    (aside,) = tmp_path.glob("logs.*Z.jsonl")
+    assert aside.read_text() == '{"loss": 1.0, "step": 3}\n'
 
 
 def _engine(plugins: list[Any]) -> Engine:
@@ -128,6 +142,7 @@ def test_jsonl_is_strict_json_with_nan_and_inf(tmp_path: Path) -> None:
     engine = _engine([JsonlSink(path)])
     engine.log({"a": math.nan, "b": math.inf, "c": -math.inf, "d": 1.5, "n": 3, "t": torch.tensor(0.25), "s": "x"})
     (record,) = [strict_json(line) for line in path.read_text().splitlines()]
+    assert record.pop("run_id") == engine.state.run_id  # the run's id, set by the first record
     assert record == {"a": "nan", "b": "inf", "c": "-inf", "d": 1.5, "n": 3, "t": 0.25, "s": "x", "step": 0}
     assert float(record["a"]) != float(record["a"]) and float(record["b"]) == math.inf
 

@@ -54,7 +54,12 @@ def engine(output_dir: Path) -> Engine:
 
 
 def untimed(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if "runtime" not in k and "per_second" not in k}
+    """A record without its timings and its run's id (two runs differ in both)."""
+    return {k: v for k, v in record.items() if "runtime" not in k and "per_second" not in k and k != "run_id"}
+
+
+def run_ids(path: Path) -> set[str]:
+    return {json.loads(line)["run_id"] for line in path.read_text().splitlines()}
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
@@ -82,6 +87,7 @@ def test_files_after_a_crash_and_a_resume_equal_the_uninterrupted_runs(tmp_path:
     assert jsonl(tmp_path / "run" / "logs.jsonl") == jsonl(tmp_path / "full" / "logs.jsonl")
     assert csv_table(tmp_path / "run" / "logs.csv") == csv_table(tmp_path / "full" / "logs.csv")
     assert jsonl(tmp_path / "run" / "logs.jsonl") == [untimed(r) for r in resumed.state.log_history]
+    assert run_ids(tmp_path / "run" / "logs.jsonl") == {crashed.state.run_id} == {resumed.state.run_id}  # one run
 
 
 def test_a_sink_in_the_same_process_continues_its_file(tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ from ..control.flow import SaveSchedule, interval
 from ..control.strategies import SaveStrategy
 from ..data.loading import ensure_resumable_data
 from ..distributed.processes import barrier, gather_to_main, rank
+from . import identity
 from . import io as cio
 from .checkpoint_checks import check_checkpointing_arguments, unscheduled_saves
 from .directory import PREFIX, latest_checkpoint, list_checkpoints, publish_directory
@@ -132,6 +133,7 @@ def save_checkpoint(
     final = root / f"{PREFIX}{state.global_step}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
     previous_best = state.best_model_checkpoint
+    identity.run_id(state)  # the run's identity, in its state and its manifest (identity.py)
     if state.best_global_step is not None and state.best_global_step == state.global_step:
         state.best_model_checkpoint = str(final)
     try:
@@ -146,7 +148,7 @@ def save_checkpoint(
         state_files, history, linked = write_trainer_state(state, tmp, final)
         files |= state_files
         listed = _manifest_fields(state.global_step, len(rng_states), frozen_base, model_only)
-        listed |= {**history, **model_listed, **(info or {})}
+        listed |= {**history, **model_listed, **(info or {}), identity.MANIFEST_KEY: state.run_id}
         cio.write_manifest(tmp, files, listed, entries=files)
         # every file and tmp's entries durable before the rename (a linked segment's data already is)
         cio.sync_files(tmp, [*(name for name in files if name not in linked), cio.MANIFEST])

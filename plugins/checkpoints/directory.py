@@ -9,9 +9,10 @@ Names in ``output_dir``:
 
 A re-save of step N (``publish_directory``) renames ``checkpoint-N`` to ``.old-PID``, then the
 finished ``.tmp-PID`` to ``checkpoint-N``, then deletes ``.old-PID``. A crash between the two renames
-leaves no ``checkpoint-N`` but two complete copies; ``tidy`` (run before every rotation and when a
-run starts or resumes) puts the newer intact one back as ``checkpoint-N`` instead of deleting both
-as stale (it used to). Leftovers of processes still alive are never touched.
+leaves no ``checkpoint-N`` but two complete copies; ``tidy`` (run before a rotation and when a run
+starts or resumes, always holding output_dir's lock) puts the newer intact one back as ``checkpoint-N``
+instead of deleting both as stale (it used to). A save in flight is never touched: its writer holds the
+lock, so no other process tidies, whatever its pid namespace or host (a pid decides nothing).
 
 ``previous-runs/<time>/checkpoint-N``: the checkpoints of an earlier run, set aside (``set_aside``)
 when a fresh run started in the directory; ``<time>`` is when that run wrote its newest checkpoint
@@ -122,7 +123,8 @@ def _remove(path: Path) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (our own pid counts as dead: its leftovers are from a save that failed)."""
+    """Whether process ``pid`` runs here (our own pid counts as dead). Not what ``tidy`` asks: a pid means
+    nothing in another pid namespace or on another host; output_dir's lock says who is alive."""
     if pid == os.getpid():
         return False
     try:
@@ -137,16 +139,21 @@ def pid_alive(pid: int) -> bool:
 def tidy(root: Path) -> list[Path]:
     """Clean up after processes that died in a save, a re-save or a rotation; returns what it put back.
 
-    For a step with no ``checkpoint-N``, the newest intact leftover of a dead process (the re-save's
-    ``.tmp``, else the previous ``.old``), verified file by file, is renamed back to ``checkpoint-N``;
-    every other leftover of a dead process is removed.
+    Call it only holding output_dir's lock (``lock.tidy_under_lock``): the lock, not a pid, says who is
+    alive. Every process that writes checkpoints into output_dir holds it while it writes, so whoever holds
+    it sees only leftovers of runs that ended; a pid says nothing across pid namespaces (containers) or
+    hosts, where a live writer's pid may look dead, or a dead one's alive.
+
+    For a step with no ``checkpoint-N``, the newest intact leftover (the re-save's ``.tmp``, else the
+    previous ``.old``), verified file by file, is renamed back to ``checkpoint-N``; every other leftover
+    is removed.
     """
     if not root.is_dir():
         return []
     by_step: dict[int, list[tuple[str, Path]]] = {}
     for child in root.iterdir():
         match = LEFTOVER.match(child.name)
-        if match and not pid_alive(int(match.group(3))):
+        if match:
             by_step.setdefault(int(match.group(1)), []).append((match.group(2), child))
     restored = []
     for step, leftovers in sorted(by_step.items()):

@@ -37,7 +37,8 @@ from trainbus.engine import ConfigError, Engine, State
 
 from ..distributed.processes import broadcast_from_main, rank
 from . import verified
-from .directory import PREFIX, finish_set_aside
+from .directory import PREFIX, checkpoint_dirs, finish_set_aside
+from .identity import checkpoint_run_id, new_run_id, run_id
 from .lock import OutputDirLock, hold_output_dir, lock_on_main, start_fresh, starts_a_run
 from .model_part import weights_file
 from .reading import read_trainer_state
@@ -73,30 +74,47 @@ class RunClaim:
         that failed. Returns whether this fit() starts a new run."""
         self.release()
         self.lock = lock_on_main(self.output_dir)  # re-entrant: a Trainer's train() holds it already
-        error, new = None, False
+        error, new, identity = None, False, None
         if rank() == 0:
             try:
                 finish_set_aside(self.output_dir)
                 new = self._new_run(engine)
                 if new:
                     start_fresh(self.output_dir, self.resume_true)
+                    if engine.state.global_step > 0:
+                        engine.state.run_id = new_run_id()  # a branch from a checkpoint: a run of its own
+                identity = run_id(engine.state)
             except (ConfigError, OSError) as exc:
                 error = str(exc)
         # this fit()'s: the next one is told (or loaded) anew
         self.expected, self.loaded, self.resume_true = UNSET, False, ENGINE_RESUME_TRUE
-        error, new = broadcast_from_main((error, new))
+        error, new, identity = broadcast_from_main((error, new, identity))
         if error is not None:
             self.release()
             raise ConfigError(error)
+        engine.state.run_id = identity  # every rank: the id rank 0's checkpoints and logs carry
         if new:
             self.wrote = False
         return bool(new)
 
     def _new_run(self, engine: Engine) -> bool:
-        if self.expected is not UNSET:
-            return starts_a_run(self.expected, self.output_dir)
-        if engine.state.global_step == 0 and not self.loaded:
+        """Whether this fit() starts a new run in output_dir: its checkpoints' ids decide; without ids, as before."""
+        told = self.expected is not UNSET
+        if told and starts_a_run(self.expected, self.output_dir):
+            return True  # a fresh run, or a resume from a checkpoint outside output_dir
+        if not told and engine.state.global_step == 0 and not self.loaded:
             return True  # nothing resumed: a fresh run
+        own = engine.state.run_id
+        ids = {checkpoint_run_id(path) for _, path in checkpoint_dirs(self.output_dir)}
+        if not ids:
+            return self.loaded and not told  # nothing to set aside; a state loaded from elsewhere is a branch
+        if own is not None and ids == {own}:
+            return False  # every checkpoint there is this run's
+        if any(found is not None and found != own for found in ids):
+            return True  # another run's checkpoint is there: never taken for this run's
+        # checkpoints without an id (an older release's), the others this run's: judged as before, conservatively
+        if told:
+            return False  # the caller resumed one of output_dir's own checkpoints
         if self.wrote and not self.loaded:
             return False  # this engine going on after its own fit()
         return not holds_state(self.output_dir / f"{PREFIX}{engine.state.global_step}", engine)
@@ -138,6 +156,9 @@ def _same_weights(file: Path, engine: Engine, count: int = 4) -> bool:
             names = set(saved.keys())
             own = [(p.numel(), name, p) for name, p in engine.model.named_parameters()
                    if p.requires_grad and p.is_floating_point() and p.numel() > 0 and name in names]  # fmt: skip
+            if not own and any(p.requires_grad for p in engine.model.parameters()):
+                logger.info("%s holds none of the model's trainable tensors by name: not this run's checkpoint", file)
+                return False  # nothing to compare is no evidence of the same run
             for _, name, param in sorted(own, key=lambda item: item[:2])[:count]:
                 value = saved.get_tensor(name)
                 if value.shape != param.shape or not torch.equal(value, param.detach().to("cpu", value.dtype)):

@@ -59,7 +59,7 @@ from typing import Any, ClassVar
 from trainbus.engine import ConfigError
 
 from ..distributed.processes import broadcast_from_main, rank
-from .directory import set_aside
+from .directory import finish_set_aside, set_aside, tidy
 from .lock_errors import check_regular, unusable
 
 logger = logging.getLogger("trainbus.checkpoint")
@@ -71,9 +71,11 @@ __all__ = [
     "OutputDirInUse",
     "OutputDirLock",
     "hold_output_dir",
+    "holds_lock",
     "lock_on_main",
     "starts_a_run",
     "start_fresh",
+    "tidy_under_lock",
 ]
 
 
@@ -226,6 +228,37 @@ def describe(holder: dict[str, Any]) -> str:
     if not holder:
         return "holder unknown"
     return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+
+
+def holds_lock(output_dir: str | Path) -> bool:
+    """Whether this process holds ``output_dir``'s lock now."""
+    return os.path.realpath(output_dir) in OutputDirLock._held
+
+
+def tidy_under_lock(output_dir: str | Path, *, take: bool = True) -> bool:
+    """Finish an interrupted set-aside and tidy leftovers of ended saves (``directory.tidy``), only under the lock.
+
+    The lock is this process's hold, or (``take``) one taken now if it is free; when another process holds it
+    (a run in flight, in this container or another, on this host or another), nothing is touched: its
+    ``checkpoint-N.tmp-PID`` may be a save in progress, whatever the pid looks like from here. An output_dir
+    that cannot be locked (read-only) is not tidied either. Returns whether it tidied.
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return False
+    if not holds_lock(root) and not take:
+        return False
+    try:
+        lock = OutputDirLock.acquire(root)  # re-entrant: a hold of this process is counted once more
+    except ConfigError as exc:
+        logger.info("not tidying %s: %s", root, exc)
+        return False
+    try:
+        finish_set_aside(root)
+        tidy(root)
+    finally:
+        lock.release()
+    return True
 
 
 def lock_on_main(output_dir: str | Path) -> OutputDirLock | None:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from .history import HF_STATE_FIELDS
+from .identity import MANIFEST_KEY as RUN_ID_KEY
+from .identity import valid_run_id
 from .rng import rng_state, set_rng_state
 from .safety import DamagedCheckpoint
 
@@ -91,6 +93,11 @@ def check_state_fields(
     for name in _TEXTS:
         if fields.get(name) is not None and not isinstance(fields[name], str):
             refuse(name, "it must be null or a string")
+    if fields.get("run_id") is not None and not valid_run_id(fields["run_id"]):
+        refuse("run_id", "it must be null or 32 lowercase hex digits (the id trainbus writes when a run starts)")
+    listed_id = manifest.get(RUN_ID_KEY)
+    if listed_id is not None and listed_id != fields.get("run_id"):
+        refuse("run_id", f"its manifest names the run {listed_id!r:.40}")
     _check_containers(fields, refuse)
     for name, bound, why in _AT_MOST:
         value = fields.get(name)

@@ -29,7 +29,9 @@ from ..data.loading import ensure_resumable_data, find_resumable_data
 from ..distributed.processes import broadcast_from_main, rank
 from . import io as cio
 from . import verified
-from .directory import PREVIOUS_RUNS, checkpoint_dirs, finish_set_aside, latest_checkpoint, previous_runs, tidy
+from .directory import PREVIOUS_RUNS, checkpoint_dirs, latest_checkpoint, previous_runs
+from .lineage import UNSET, RunClaim
+from .lock import tidy_under_lock
 from .model_part import weights_file
 from .reading import Loaded, apply_checkpoint, load_checkpoint, read_checkpoint, rng_file_stems
 from .safety import DamagedCheckpoint, damaged, real_directory
@@ -71,8 +73,9 @@ def choose_and_read(
                 "output_dir=...) or an attached Checkpointing (the Trainer: its args.output_dir)"
             )
         root = Path(output_dir)
-        finish_set_aside(root)  # a fresh run killed while it set an earlier run aside: that run stays aside
-        tidy(root)  # an interrupted re-save's copies: one is put back, not lost
+        # under output_dir's lock only (taken if free): a set-aside a killed fresh run left half done is finished
+        # (that run stays aside), an interrupted re-save's copy put back; a running run's saves are never touched
+        tidy_under_lock(root)
         found = checkpoint_dirs(root)  # this run's: never an earlier run's set aside in previous-runs
         if not found:
             seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
@@ -179,12 +182,23 @@ def resume(engine: Engine, checkpoint: str | Path | bool, output_dir: str | Path
     # rank 0 read and checked it whole; the other ranks read their part (their slices checked as read)
     loaded = chosen[0] if chosen else read_checkpoint(path, verify=False)
     rng = apply_checkpoint(engine, loaded, verify=checkpoint is not True)
+    if checkpoint is not True:
+        _tell_checkpointing(engine, path)
     if _attached(engine, "LoadBestModelAtEnd") is not None:
         check_best_checkpoint(engine)
     cio.set_rng_state(rng)
     _RestoreRng(engine, rng, _replay_through_data(engine, rng))
     logger.info("resumed from %s at global step %d", path, engine.state.global_step)
     return path
+
+
+def _tell_checkpointing(engine: Engine, path: Path) -> None:
+    """Tell the Checkpointing plugin where this resume read (unless a caller told it already: the Trainer's
+    ``claim_run``), so that its TRAIN_START applies the lineage rule to the path (``lineage.py``)."""
+    for plugin in engine.plugins:
+        claim = getattr(plugin, "claim", None)
+        if isinstance(claim, RunClaim) and claim.expected is UNSET:
+            claim.expect(str(path))
 
 
 def _attached(engine: Engine, name: str) -> Any:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from trainbus.engine import ConfigError
 
-from .directory import delete_checkpoint, list_checkpoints, tidy
+from .directory import delete_checkpoint, list_checkpoints
+from .lock import tidy_under_lock
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -45,9 +46,10 @@ def rotate_checkpoints(
     ``written`` lists the checkpoints this run wrote, oldest first: they count as more recent than
     any other, so checkpoints an earlier run left with higher step numbers rotate out first and
     the checkpoint just written is never the one deleted.
-    Incomplete directories are not counted and not touched, except what processes that no longer run
-    left behind (``directory.tidy``: an interrupted re-save's copy is put back, the rest removed); with
-    no limit only at a process's first rotation of ``output_dir``, so that a save lists nothing there.
+    Incomplete directories are not counted and not touched, except, when this process holds output_dir's
+    lock (a run's Checkpointing does), what ended saves left behind (``directory.tidy``: an interrupted
+    re-save's copy is put back, the rest removed); with no limit only at a process's first rotation of
+    ``output_dir``, so that a save lists nothing there.
     A checkpoint that cannot be deleted (permissions, a busy file system) is warned about and kept:
     rotation only saves disk space, and the run goes on.
     """
@@ -55,7 +57,7 @@ def rotate_checkpoints(
     if limit is None and _tidied(root):
         return []  # nothing to delete, nothing left to tidy: no listing, so a save costs the same at 10 or 10,000
     try:
-        tidy(root)
+        tidy_under_lock(root, take=False)  # only holding output_dir's lock: a run's own (lock.py)
     except OSError as exc:
         warn(f"checkpoint rotation could not tidy {root}: {exc}; the run goes on")
     if limit is None:

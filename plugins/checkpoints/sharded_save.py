@@ -20,6 +20,7 @@ from trainbus.engine import ConfigError, Engine
 
 from ..distributed.deepspeed import deepspeed_engine_of
 from ..distributed.processes import broadcast_from_main, gather_to_main, rank
+from . import identity
 from . import io as cio
 from .directory import publish_directory
 from .final_model import save_model
@@ -163,11 +164,13 @@ def _finish(
         stems = ["rng"] if len(rng_states) == 1 else [f"rng-{r}" for r in range(len(rng_states))]
         for stem, rng in zip(stems, rng_states, strict=True):
             shared |= cio.write_bundle(tmp, stem, rng)
+        run = identity.run_id(engine.state)  # the run's identity, in its state and its manifest (identity.py)
         state_files, history, linked = write_trainer_state(engine.state, tmp, final)  # history.py
         shared |= state_files
         files = {name: entry for written in gathered for name, entry in written["files"].items()} | shared
         listed = {
-            "global_step": engine.state.global_step, "world_size": len(gathered), SHARDED: layout, **history, **info
+            "global_step": engine.state.global_step, "world_size": len(gathered), SHARDED: layout, **history, **info,
+            identity.MANIFEST_KEY: run,
         }  # fmt: skip
         cio.write_manifest(tmp, files, listed, entries=files)  # every rank hashed its own files as it wrote them
         cio.sync_files(tmp, [*(name for name in shared if name not in linked), cio.MANIFEST])

@@ -8,11 +8,17 @@ Importing this module adds ``"jsonl"``, ``"csv"`` and ``"tensorboard"`` to ``log
 ``TrainingArguments(report_to=["jsonl", "csv", "tensorboard"])`` writes ``logs.jsonl``,
 ``logs.csv`` and ``runs/<time>_<host>/`` (or ``logging_dir``) under ``output_dir``.
 
-A sink whose file already exists appends to it, except at the start of a fresh run
-(``global_step == 0`` at TRAIN_START) where it starts the file anew. A resumed run rewinds the file
-first: a sink's state (in every checkpoint) is the number of records it had written, and the records
-after them (written between the checkpoint and a crash, which the resumed run logs again) are cut, so
-the file holds each record once, as the uninterrupted run's does.
+Logs are data: a sink never deletes or rewrites another run's records. Every record carries the run's
+id (``run_id``: ``checkpoints/identity.py``; a new key, so readers of the records as they were read them
+as before). At TRAIN_START, a file holding records of another run (another id, or none: a file from an
+older release, or anyone's) is renamed beside itself, ``logs.<time>.jsonl`` (its last write, UTC), with
+a warning naming it, and this run starts the file anew (copying back the records it wrote itself before,
+an ``evaluate()`` before ``fit()``). A file of this run's records only is appended to. A resumed run
+rewinds its own records first: a sink's state (in every checkpoint) is the number of this run's records
+it had written, and the records after them (written between the checkpoint and a crash, which the resumed
+run logs again) are cut, so the file holds each record once, as the uninterrupted run's does. A resume that
+the Checkpointing plugin judges a new run (a branch from a checkpoint elsewhere: ``lineage.py``) has an id
+of its own, so it cuts nothing of the run it branched from.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ import csv
 import datetime
 import io
 import json
+import logging
 import math
 import os
 import socket
+import warnings
 from collections.abc import Mapping
 from numbers import Integral, Real
 from pathlib import Path
@@ -33,12 +41,16 @@ import torch
 
 from trainbus.engine import Composition, ConfigError, Event, Plugin, Priority
 
+from ..checkpoints.identity import run_id
 from .logging import SINKS, TrainLogger
+from .record_files import RUN_ID, json_run_id, lines_of, replace_file, set_aside_beside
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine, LogEvent, TrainEndEvent, TrainStartEvent
 
-__all__ = ["CsvSink", "JsonlSink", "TensorBoardSink", "default_logging_dir", "to_json_value"]
+__all__ = ["RUN_ID", "CsvSink", "JsonlSink", "TensorBoardSink", "default_logging_dir", "to_json_value"]
+
+logger = logging.getLogger("trainbus.logging")
 
 
 def to_json_value(value: Any) -> Any:
@@ -83,15 +95,18 @@ def _without_logger(composition: Composition, where: object) -> list[str] | None
 
 
 class _FileSink(Plugin):
-    """Shared behaviour: write on LOG from the main process; start a fresh run's file anew, rewind a resumed one's."""
+    """Shared behaviour: write on LOG from the main process, each record with the run's id; at TRAIN_START, set
+    another run's file aside (never delete it) and cut a resumed run's own records back to its checkpoint."""
 
     priority = Priority.CONSUMER
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        #: records in the file written by this run (and the runs it resumes); None: unknown (a checkpoint
-        #: from before sinks kept it, or a run that started with a file of unknown records: nothing is cut)
+        #: this run's records in the file (and the records of the runs it resumes); None: unknown (a checkpoint
+        #: from before sinks kept it: nothing is cut)
         self.records: int | None = None
+        #: where the last TRAIN_START moved another run's file (None: it moved nothing)
+        self.set_aside: Path | None = None
 
     def attach(self, engine: Engine) -> None:
         self.on(engine, Event.TRAIN_START, self.train_start)
@@ -109,25 +124,50 @@ class _FileSink(Plugin):
 
     def train_start(self, ev: TrainStartEvent) -> None:
         state = ev.engine.state
+        self.set_aside = None
         if state.global_step == 0:
-            self.records = 0
-            if state.is_world_process_zero and self.path.exists():
-                self.path.unlink()  # a fresh run: the previous run's records are not this run's history
-        elif state.is_world_process_zero and self.records is not None and self.path.exists():
-            self.rewind(self.records)  # a resumed run logs again what came after its checkpoint
+            self.records = None  # a fresh run keeps the records it logged before (an evaluate() before fit())
+        if not state.is_world_process_zero:
+            return
+        own = run_id(state)
+        ids = self.run_ids() if self.path.exists() else []
+        mine = [i for i, found in enumerate(ids) if found == own]
+        keep = len(mine) if self.records is None else min(self.records, len(mine))
+        if len(mine) < len(ids):  # another run's records (or records without an id): that run's file, kept whole
+            self.set_aside = set_aside_beside(self.path)
+            message = (
+                f"{type(self).__name__}: {self.path} held records of another run; this run (run_id {own}) moved "
+                f"that file to {self.set_aside} and starts {self.path} anew"
+            )
+            logger.warning(message)
+            warnings.warn(message, stacklevel=2)
+            if keep:  # this run's own records in it (written before this TRAIN_START), copied back
+                self.restore(self.set_aside, mine[:keep])
+        elif keep < len(mine):
+            self.rewind(keep)  # a resumed run logs again what came after its checkpoint
+        self.records = keep
 
     def log(self, ev: LogEvent) -> None:
-        if ev.logs and ev.engine.state.is_world_process_zero:
+        state = ev.engine.state
+        if ev.logs and state.is_world_process_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.write(_record(ev))
+            self.write({**_record(ev), RUN_ID: run_id(state)})
             if self.records is not None:
                 self.records += 1
 
     def write(self, record: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def run_ids(self) -> list[str | None]:
+        """The run id of each record in the file, in order (None for a record without one)."""
+        raise NotImplementedError
+
     def rewind(self, records: int) -> None:
         """Keep the file's first ``records`` records (all when it holds fewer)."""
+        raise NotImplementedError
+
+    def restore(self, source: Path, indices: list[int]) -> None:
+        """Write the records at ``indices`` of ``source`` (a file of this format) as this file's first records."""
         raise NotImplementedError
 
 
@@ -149,10 +189,17 @@ class JsonlSink(_FileSink):
             f.flush()
 
     def rewind(self, records: int) -> None:
-        with self.path.open("rb") as f:
-            lines = f.readlines()
+        lines = lines_of(self.path)
         if len(lines) > records:
-            _replace(self.path, b"".join(lines[:records]))
+            replace_file(self.path, b"".join(lines[:records]))
+
+    def run_ids(self) -> list[str | None]:
+        return [json_run_id(line) for line in lines_of(self.path)]
+
+    def restore(self, source: Path, indices: list[int]) -> None:
+        lines = lines_of(source)
+        with self.path.open("ab") as f:
+            f.write(b"".join(lines[i] for i in indices))
 
 
 class CsvSink(_FileSink):
@@ -198,7 +245,20 @@ class CsvSink(_FileSink):
             writer = csv.DictWriter(text, fieldnames=header, restval="", extrasaction="ignore")
             writer.writeheader()
             writer.writerows(kept)
-            _replace(self.path, text.getvalue().encode("utf-8"))
+            replace_file(self.path, text.getvalue().encode("utf-8"))
+
+    def run_ids(self) -> list[str | None]:
+        return [row.get(RUN_ID) or None for row in self._rows()]
+
+    def restore(self, source: Path, indices: list[int]) -> None:
+        with source.open(encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            header, rows = list(reader.fieldnames or []), list(reader)
+        kept = [rows[i] for i in indices]
+        with self.path.open("x", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=header, restval="", extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(kept)
 
     def _header(self) -> list[str]:
         if not self.path.exists():
@@ -211,16 +271,6 @@ class CsvSink(_FileSink):
             return []
         with self.path.open(encoding="utf-8", newline="") as f:
             return list(csv.DictReader(f))
-
-
-def _replace(path: Path, content: bytes) -> None:
-    """Write ``content`` to ``path`` through a temporary file and an atomic rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _csv_value(value: Any) -> Any:
