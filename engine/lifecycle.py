@@ -14,6 +14,8 @@ evaluate / predict (and none per step), so the hot loop pays nothing for it:
 
 An END that fires normally runs its cleanup handlers even when an earlier handler of it failed; the
 first failure then propagates from the END (and is announced by EXCEPTION like any other failure).
+A KeyboardInterrupt (Ctrl-C) or SystemExit raised by a handler while ENDs close after a failure does
+not stop the closing: the ENDs outside still fire to their cleanup handlers, then it is raised.
 """
 
 from __future__ import annotations
@@ -71,21 +73,39 @@ class Lifecycle:
         The caller re-raises ``error``; nothing here raises an Exception.
         """
         bus = self.bus
+        interrupts: list[BaseException] = []  # a Ctrl-C in a handler here: every END still closes, then it is raised
         if error is not self._announced:
             self._announced = error
             n = bus.count(EXCEPTION)
             if bus.has_handlers(EXCEPTION):
                 payload = ExceptionEvent(self, error, during)  # type: ignore[arg-type]  # only Engine mixes this in
-                _note_others(error, bus.dispatch_each(EXCEPTION, payload, n), "while EXCEPTION ran")
+                _note_others(error, _each(bus, EXCEPTION, payload, n, interrupts), "while EXCEPTION ran")
         while len(self._open_ends) > depth:
             event, make = self._open_ends.pop()
             n = bus.count(event)
             if bus.has_handlers(event):
                 end = make()
                 end.error = error  # type: ignore[attr-defined]  # every END payload has it
-                _note_others(error, bus.dispatch_each(event, end, n), f"while {event.name} closed after the failure")
+                others = _each(bus, event, end, n, interrupts)
+                _note_others(error, others, f"while {event.name} closed after the failure")
         if depth == 0:
             self._announced = None
+        if interrupts:
+            raise interrupts[0]  # the caller's error is its __context__
+
+
+def _each(
+    bus: EventBus, event: EventType[Any], payload: Any, n: int, interrupts: list[BaseException]
+) -> list[Exception]:
+    """``bus.dispatch_each``; a KeyboardInterrupt / SystemExit it lets through is kept in ``interrupts``, not raised,
+    so that the ENDs outside this one still close (the output_dir lock is released in TRAIN_END's cleanup)."""
+    try:
+        return bus.dispatch_each(event, payload, n)
+    except BaseException as interrupt:
+        if isinstance(interrupt, Exception):  # dispatch_each returns handler failures: this is its own
+            raise
+        interrupts.append(interrupt)
+        return []
 
 
 def _note_others(error: BaseException, others: list[Exception], when: str) -> None:
