@@ -44,6 +44,7 @@ from ..optimization.regularization import LabelSmoothing, NEFTune
 from ..optimization.schedulers import LRScheduler
 from .log_save_evaluate import LogSaveEvaluate, StepEndLogger, check_step_end_override
 from .model_folder import checkpoint_extras
+from .subclass_state import subclass_state
 
 
 class TrainOutput(NamedTuple):
@@ -92,7 +93,8 @@ def build_plugins(
     plugins += _step_plugins(trainer, args, scheduler)
     plugins += _eval_and_save_plugins(trainer, args, preprocess_logits_for_metrics)
     plugins += _observability_plugins(trainer, args)
-    return plugins
+    own = subclass_state(trainer)  # what a subclass keeps on self, in checkpoints (subclass_state.py)
+    return plugins if own is None else [*plugins, own]
 
 
 def _model_plugins(args: TrainingArguments) -> list[Plugin]:
