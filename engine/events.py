@@ -38,6 +38,15 @@ the run adds a note to the original exception instead of replacing it.
 
 Each ``EventType`` carries its payload class, so ``engine.on(Event.LOSS, fn)`` type-checks ``fn``
 against ``LossEvent``. Calling an event makes a filtered event: ``Event.STEP_END(every=100)``.
+
+The handlers of an event run in phases (``priority=Priority.PRODUCER``: FIRST, PRODUCER, DEFAULT,
+CONSUMER, LAST), inside a phase in the order ``before=`` / ``after=`` declare (handler or plugin names,
+``"*"``), then in registration order. A handler that writes a payload field declares it
+(``writes="metrics"``, or one key ``"metrics.eval_accuracy"``), one that reads it ``reads="metrics"``
+(a plugin may declare both per method: ``reads = {"eval_end": "metrics"}``), and every writer runs
+before every other reader of what it writes, in any order the plugins were listed in. An order that
+cannot hold (a cycle, a reader in an earlier phase than its writer) is a ConfigError naming both
+handlers when the second registers. ``engine.describe()`` lists each event's handlers in call order.
 """
 
 from __future__ import annotations
