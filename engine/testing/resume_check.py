@@ -232,6 +232,7 @@ def _snapshot(engine: Engine, ignored: frozenset[str] = frozenset()) -> Snapshot
     assert engine.optimizer is not None
     state = engine.state.to_dict()
     state.pop("event_counts")
+    state.pop("run_id", None)  # the run's identity (set when a plugin needs one), not part of its trajectory
     return copy.deepcopy({
         "state": state,
         "plugins": {p.name: p.state_dict() for p in engine.plugins},
@@ -239,8 +240,8 @@ def _snapshot(engine: Engine, ignored: frozenset[str] = frozenset()) -> Snapshot
         "optimizer": engine.optimizer.state_dict(),
         "attributes": {p.name: _data_attributes(p, ignored, private=False) for p in engine.plugins},
         "private": {p.name: _data_attributes(p, ignored, private=True) for p in engine.plugins},
-    })  # fmt: skip
         "classes": {p.name: type(p).__name__ for p in engine.plugins},
+    })  # fmt: skip
 
 
 def _data_attributes(plugin: Any, ignored: frozenset[str], private: bool) -> dict[str, Any]:
