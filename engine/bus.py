@@ -287,13 +287,15 @@ class EventBus:
         For an END payload: while ``payload.error`` is None every handler runs; once it is set (the
         block failed before, or a handler here just raised, whose error becomes ``payload.error``)
         only cleanup handlers run. Returns the failures (each noted by ``note_handler``, as raised),
-        in order; the caller raises or notes them. Never used per step: these events close blocks.
+        in order; the caller raises or notes them. A KeyboardInterrupt / SystemExit from a handler lets
+        the cleanup handlers after it run, then is raised. Never used per step: these events close blocks.
         """
         errors: list[Exception] = []
+        interrupt: BaseException | None = None  # a KeyboardInterrupt / SystemExit a handler raised
         has_error = hasattr(payload, "error") and event in END_EVENTS
         trace = self._trace
         for record in self._handlers[event.index]:
-            if has_error and payload.error is not None and not record.cleanup:
+            if ((has_error and payload.error is not None) or interrupt is not None) and not record.cleanup:
                 continue
             flt = record.filter
             if flt is not None and not flt(n, payload):
@@ -307,6 +309,14 @@ class EventBus:
                 errors.append(exc)
                 if has_error and payload.error is None:
                     payload.error = exc
+            except BaseException as exc:  # Ctrl-C in a handler: the cleanup handlers after it run, then it goes on
+                note_handler(exc, record.name, record.event.name)
+                if interrupt is None:
+                    interrupt = exc
+                    if has_error and payload.error is None:
+                        payload.error = exc
+        if interrupt is not None:
+            raise interrupt
         return errors
 
     def enable_trace(self) -> list[tuple[str, str]]:

@@ -40,11 +40,6 @@ def interrupt(ev: Any) -> None:
     raise KeyboardInterrupt
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs EventBus.dispatch_each (engine/bus.py, engine35's) to run the remaining cleanup handlers after a "
-    "KeyboardInterrupt, then raise it (NOTES.md)",
-)
 @pytest.mark.parametrize("priority", [Priority.FIRST, Priority.LAST], ids=["first", "last"])
 def test_ctrl_c_in_a_train_end_handler_releases_the_lock(tmp_path: Path, priority: Priority) -> None:
     engine = make_engine(tmp_path, 4)
