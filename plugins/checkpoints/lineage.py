@@ -9,14 +9,20 @@ checkpoints into ``previous-runs/`` (``lock.start_fresh``), so rotation never de
 Whether this fit() starts a new run:
 
 - told by a caller that knows what was resumed (``RunClaim.expect``: the Trainer's
-  ``resume_from_checkpoint``, through ``checkpoint.claim_run``): ``lock.starts_a_run``;
+  ``resume_from_checkpoint``, through ``checkpoint.claim_run``, or the path a ``resume(engine, path)`` read):
+  a fresh run, or a checkpoint outside output_dir, starts a new run (``lock.starts_a_run``);
 - else, nothing loaded into the engine (no ``load_state_dict``) at step 0: a fresh run, new;
-- the same engine fitted again (nothing loaded since it saved): the same run;
-- a resumed engine (a plain ``resume(engine, path)``, which does not say where it read): the same run
-  when output_dir's ``checkpoint-{global_step}`` holds what it was resumed to (the state: step, log
-  history, counters, best metric; and bit for bit a few of its smallest trainable tensors); else the
-  checkpoint came from elsewhere (another directory, or a run set aside), and this is a new run. Two
-  runs whose checkpoints agree in all of that are one trajectory: either may go on with the other's.
+- then the run's identity decides (``identity.py``): output_dir's checkpoints are this run's when every one of
+  them names this run's ``run_id``; one naming another run makes this a new run, whatever else agrees (a
+  checkpoint copied in by hand, another run's directory);
+- checkpoints without an id (older releases), the others this run's, are judged as before, conservatively:
+  told, the caller's word; the same engine fitted again (nothing loaded since it saved), the same run;
+  else the same run only when output_dir's ``checkpoint-{global_step}`` holds what the engine was resumed to
+  (the state: step, log history, counters, best metric; and bit for bit a few of its smallest trainable
+  tensors, of which at least one must be found by name: nothing to compare is not "the same").
+
+A loaded engine judged a new run (a branch) gets an id of its own: its checkpoints and log records are told
+apart from the run it branched from.
 """
 
 from __future__ import annotations

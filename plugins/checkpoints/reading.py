@@ -1,7 +1,8 @@
 """Reading a checkpoint into an engine: verify its files, decode them, apply them (``resuming.py`` chooses which).
 
-``read_checkpoint`` reads and checks everything before ``apply_checkpoint`` changes anything, so a
-damaged or unfitting checkpoint leaves the engine as it was.
+``read_checkpoint`` reads and checks everything before ``apply_checkpoint`` changes anything, and
+``apply_checkpoint`` checks what fits before it applies (putting back what it applied if a later part
+fails), so a damaged or unfitting checkpoint leaves the engine as it was.
 """
 
 from __future__ import annotations
@@ -154,35 +155,105 @@ def _trainer_state(files: verified.CheckedFiles, manifest: dict[str, Any]) -> St
 def apply_checkpoint(engine: Engine, loaded: Loaded, *, verify: bool = True) -> dict[str, Any]:
     """Put what ``read_checkpoint`` read into ``engine``; returns the RNG states (not applied).
 
-    ``verify``: check this rank's slices of a sharded checkpoint as they are read.
+    Refused means untouched: what can be checked without applying is checked first (every plugin it holds a
+    state for is attached; the optimizer is of its class, with its groups' sizes), then the optimizer state,
+    the trainer state and the plugins' states are applied, the weights last (their names, shapes and dtypes are
+    checked before a tensor is copied: ``weights.load_weights``). If anything fails on the way, the optimizer,
+    the state and the plugins are put back as they were. ``verify``: check this rank's slices of a sharded
+    checkpoint as they are read.
     """
     if engine.optimizer is None:
         raise ConfigError("resuming needs engine.optimizer: pass it to the Engine or attach the optimizer plugin first")
     directory = loaded.path
+    check_fits(engine, loaded)
+    undo = _Undo(engine, loaded.plugins)
+    try:
+        if not loaded.sharded:
+            try:
+                engine.optimizer.load_state_dict(loaded.optimizer)
+            except (ValueError, KeyError, RuntimeError, IndexError, TypeError) as exc:
+                raise ConfigError(f"{directory / 'optimizer.json'} does not fit engine.optimizer: {exc}") from exc
+        state = loaded.state
+        # the fields as they are: State.to_dict() deep-copies them (the log history grows with the run)
+        fields = {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
+        engine.load_state_dict({"state": fields, "plugins": loaded.plugins})
+        _apply_weights(engine, loaded, verify)
+    except BaseException:
+        undo.restore(engine)
+        raise
+    return loaded.rng
+
+
+def check_fits(engine: Engine, loaded: Loaded) -> None:
+    """Refuse (ConfigError) a checkpoint this engine cannot take, before anything of it is applied: a plugin state
+    for a plugin that is not attached, an optimizer state of another class or other param groups."""
+    assert engine.optimizer is not None
+    names = {p.name for p in engine.plugins}
+    missing = [name for name in loaded.plugins if name not in names]
+    if missing:
+        raise ConfigError(
+            f"checkpoint {loaded.path} holds the states of plugins {missing} that this engine lacks (attached: "
+            f"{sorted(names)}); nothing was applied. Attach them (built as in the run that saved it) and resume again"
+        )
+    if loaded.sharded:
+        return
+    where = loaded.path / "optimizer.json"
+    check_optimizer_fits(engine.optimizer, loaded.optimizer, loaded.path)  # SGD from AdamW: say so, not KeyError
+    saved = loaded.optimizer.get("param_groups")
+    own = [len(group["params"]) for group in engine.optimizer.param_groups]
+    if not isinstance(saved, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved):
+        raise ConfigError(f"{where} does not fit engine.optimizer: its param_groups are not a list of groups")
+    if [len(group["params"]) for group in saved] != own:
+        raise ConfigError(
+            f"{where} does not fit engine.optimizer: parameters per group {[len(g['params']) for g in saved]} "
+            f"saved, {own} in this optimizer (another model, or other parameter groups); nothing was applied"
+        )
+
+
+def _apply_weights(engine: Engine, loaded: Loaded, verify: bool) -> None:
+    directory = loaded.path
     if loaded.sharded:
         load_shards(engine, directory, verify=verify)
-    elif loaded.weights is not None:
-        weights = loaded.weights
+        return
+    if loaded.weights is None:
+        return
+    weights = loaded.weights
 
-        def apply_weights() -> Any:
-            where = str(directory / weights_file(loaded.manifest, directory / cio.MANIFEST))
-            frozen = check_base(engine.model, loaded.manifest.get("frozen_base"), str(directory))
-            return cio.load_weights(engine.model, weights, where, may_lack=frozen)
+    def apply_weights() -> Any:
+        where = str(directory / weights_file(loaded.manifest, directory / cio.MANIFEST))
+        frozen = check_base(engine.model, loaded.manifest.get("frozen_base"), str(directory))
+        return cio.load_weights(engine.model, weights, where, may_lack=frozen)
 
-        # the facade: a subclass's _load_from_checkpoint runs, its super() applying the verified weights
-        around = getattr(engine, "around_checkpoint_weights", None)
-        around(directory, apply_weights) if callable(around) else apply_weights()
-        loaded.weights = weights = None  # views of the mapped file: unmapped now
-        check_optimizer_fits(engine.optimizer, loaded.optimizer, directory)  # SGD from AdamW: say so, not KeyError
+    # the facade: a subclass's _load_from_checkpoint runs, its super() applying the verified weights
+    around = getattr(engine, "around_checkpoint_weights", None)
+    around(directory, apply_weights) if callable(around) else apply_weights()
+    loaded.weights = None  # views of the mapped file: unmapped now
+
+
+class _Undo:
+    """What ``apply_checkpoint`` changes before the weights, kept to be put back if a later part fails: the
+    optimizer's state (its tensors, by reference), the engine's State object and the states of the plugins the
+    checkpoint holds states for (with the Checkpointing plugin's claim on output_dir, which a load marks)."""
+
+    def __init__(self, engine: Engine, plugins: Any) -> None:
+        assert engine.optimizer is not None
+        self.optimizer = engine.optimizer.state_dict()
+        self.state = engine.state
+        self.plugins = {p.name: p.state_dict() for p in engine.plugins if p.name in plugins}
+        claims = [getattr(p, "claim", None) for p in engine.plugins]
+        self.claims = [(c, c.loaded, c.wrote) for c in claims if hasattr(c, "loaded") and hasattr(c, "wrote")]
+
+    def restore(self, engine: Engine) -> None:
+        assert engine.optimizer is not None
         try:
-            engine.optimizer.load_state_dict(loaded.optimizer)
-        except (ValueError, KeyError, RuntimeError, IndexError, TypeError) as exc:
-            raise ConfigError(f"{directory / 'optimizer.json'} does not fit engine.optimizer: {exc}") from exc
-    state = loaded.state
-    # the fields as they are: State.to_dict() deep-copies them (the log history grows with the run)
-    fields = {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
-    engine.load_state_dict({"state": fields, "plugins": loaded.plugins})
-    return loaded.rng
+            engine.optimizer.load_state_dict(self.optimizer)
+            engine.state = self.state
+            for name, state in self.plugins.items():
+                engine.get_plugin(name).load_state_dict(state)
+            for claim, was_loaded, wrote in self.claims:
+                claim.loaded, claim.wrote = was_loaded, wrote
+        except Exception as exc:  # the refusal is what the caller needs to see; this is logged
+            logger.warning("could not put the engine back as it was before a refused checkpoint: %s", exc)
 
 
 def load_checkpoint(engine: Engine, path: str | Path, *, verify: bool = True) -> dict[str, Any]:
