@@ -25,6 +25,7 @@ from trainbus.engine import ConfigError  # noqa: E402
 from trainbus.plugins import Trainer, TrainingArguments  # noqa: E402
 from trainbus.plugins.facade.log_save_evaluate import LogSaveEvaluate, StepEndLogger  # noqa: E402
 from trainbus.plugins.observability.logging import TrainLogger  # noqa: E402
+from trainbus.plugins.optimization.clipping import GradientClipping  # noqa: E402
 
 
 class OwnMetric:
@@ -90,6 +91,16 @@ class FixedRate:
         return 0.125 * self.state.global_step
 
 
+class HalfClip:
+    """Clips to 0.5 whatever max_grad_norm says, and logs twice the norm (a float) (transformers 5's methods)."""
+
+    def _clip_grad_norm(self: Any, model: torch.nn.Module) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+    def _get_grad_norm(self: Any, model: torch.nn.Module, grad_norm: Any = None) -> float:
+        return 2 * float(super()._get_grad_norm(model, grad_norm=grad_norm))
+
+
 def _run(base: type, mixin: type, args_cls: type, out: Path, **overrides: Any) -> tuple[list[dict[str, Any]], Any]:
     cls = type(mixin.__name__, (mixin, base), {})
     kwargs: dict[str, Any] = {
@@ -133,12 +144,15 @@ SUBCLASSES = {
     "copied body, save best": (CopiedBody, {"save_strategy": "best", "metric_for_best_model": "loss"}),
     "copied body, epochs": (CopiedBody, {"max_steps": -1, "num_train_epochs": 2, **EPOCHS}),
     "learning rate": (FixedRate, {}),
+    "clipping": (HalfClip, {}),
 }
 
 
 @pytest.mark.parametrize("case", sorted(SUBCLASSES))
 def test_the_subclass_logs_evaluates_and_saves_as_under_transformers(case: str, tmp_path: Path) -> None:
     mixin, overrides = SUBCLASSES[case]
+    if mixin is HalfClip and not hasattr(transformers.Trainer, "_clip_grad_norm"):
+        pytest.skip(f"transformers {transformers.__version__} clips inside its loop (no _clip_grad_norm to override)")
     hf, _ = _run(transformers.Trainer, mixin, transformers.TrainingArguments, tmp_path / "hf", **overrides)
     ours, _ = _run(Trainer, mixin, TrainingArguments, tmp_path / "tb", **overrides)
     _assert_same_history(hf, ours)
@@ -182,11 +196,19 @@ def test_an_override_without_transformers_arguments_is_refused_at_construction(t
         Old(Regressor(), args, train_dataset=_data(4))
 
 
+def test_a_clipping_override_the_run_would_not_call_is_refused(tmp_path: Path) -> None:
+    cls = type("HalfClip", (HalfClip, Trainer), {})
+    args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True, max_steps=1, optim="lomo")
+    with pytest.raises(ConfigError, match=r"HalfClip\._clip_grad_norm, HalfClip\._get_grad_norm: this run never clips"):
+        cls(Regressor(), args, train_dataset=_data(4))
+
+
 def test_without_an_override_nothing_is_added(tmp_path: Path) -> None:
     """The default Trainer keeps trainbus's logger and no per-step handler of this module."""
     args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True, max_steps=1)
     trainer = Trainer(Regressor(), args, train_dataset=_data(4))
     assert type(trainer.train_logger) is TrainLogger
+    assert type(trainer.get_plugin(GradientClipping)) is GradientClipping
     assert trainer.get_plugin(LogSaveEvaluate) is None
     subclass = type("WithOverride", (OwnMetric, Trainer), {})(Regressor(), args, train_dataset=_data(4))
     assert type(subclass.train_logger) is StepEndLogger and subclass.train_logger.name == "TrainLogger"

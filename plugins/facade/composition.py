@@ -42,6 +42,8 @@ from ..optimization.optimizer_names import optimizer_spec
 from ..optimization.precision import MixedPrecision
 from ..optimization.regularization import LabelSmoothing, NEFTune
 from ..optimization.schedulers import LRScheduler
+from .grad_norm import NAMES as GRAD_NORM_METHODS
+from .grad_norm import ClippingThroughTrainer, check_grad_norm_overrides
 from .log_save_evaluate import LogSaveEvaluate, StepEndLogger, check_step_end_override
 from .model_folder import checkpoint_extras
 from .subclass_state import subclass_state
@@ -144,8 +146,11 @@ def _step_plugins(trainer: Any, args: TrainingArguments, scheduler: Any) -> list
                 )
             )
     optim = optimizer_spec(str(args.optim))
-    if not optim.steps_in_backward and not deepspeed:  # those leave no gradients to clip
-        # max_grad_norm=0: no clipping, but grad_norm is measured and logged, as transformers does
+    clips = not optim.steps_in_backward and not deepspeed  # those leave no gradients to clip
+    check_grad_norm_overrides(trainer, clips)
+    if clips and any(trainer.overrides(name) for name in GRAD_NORM_METHODS):
+        plugins.append(ClippingThroughTrainer(args.max_grad_norm))  # the subclass's _clip_grad_norm / _get_grad_norm
+    elif clips:  # max_grad_norm=0: no clipping, but grad_norm is measured and logged, as transformers does
         plugins.append(GradientClipping(args.max_grad_norm, norm_when_off=True))
     plugins.append(ScheduleFreeModes())  # acts only on optimizers with train() / eval(), as in HF
     if optim.fused_backward:

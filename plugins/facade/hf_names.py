@@ -70,6 +70,10 @@ HONOURED: dict[str, str] = {
     "decisions replace the engine's logging, evaluation and saving for the run, its super() logs, evaluates "
     "(_evaluate) and saves (_save_checkpoint) as transformers' does",
     "_get_learning_rate": "every optimizer step, before the scheduler moves; the learning_rate logged is its value",
+    "_clip_grad_norm": "every optimizer step with max_grad_norm > 0, after the gradients are unscaled (its norm goes "
+    "to _get_grad_norm)",
+    "_get_grad_norm": "every optimizer step, after _clip_grad_norm; the grad_norm logged (and given to "
+    "_maybe_log_save_evaluate) is its value",
 }
 
 OFFERED: dict[str, str] = {
@@ -114,8 +118,6 @@ REFUSED: dict[str, str] = {
     "_finalize_training": _LOOP + " (Event.TRAIN_END)",
     "_determine_best_metric": "metric_for_best_model / greater_is_better, or an evaluate() override returning "
     "the metric",
-    "_clip_grad_norm": "the GradientClipping plugin (max_grad_norm)",
-    "_get_grad_norm": "the GradientClipping plugin (max_grad_norm)",
     "_track_num_input_tokens": "include_num_input_tokens_seen (the TokenCounter plugin)",
     "set_initial_training_values": "max_steps / num_train_epochs (the engine plans the run)",
     "get_total_train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps (the engine plans "

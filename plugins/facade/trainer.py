@@ -7,9 +7,9 @@ Porting a script means changing the import::
 Subclass overrides of transformers' methods are honoured where HF calls them (``hf_names.py`` lists them).
 
 The methods live with their ideas, as mixins: the step hooks and HF's step methods (``step_hooks.py``),
-``_maybe_log_save_evaluate`` (``log_save_evaluate.py``), the dataloaders (``dataloaders.py``), the optimizer
-and scheduler (``optimizer_setup.py``), the script helpers (``utilities.py``), the process side
-(``trainer_processes.py``); ``save_model`` is ``saving.py``, the plugins are ``composition.py``'s.
+``_maybe_log_save_evaluate`` (``log_save_evaluate.py``), ``_clip_grad_norm`` (``grad_norm.py``), the dataloaders
+(``dataloaders.py``), the optimizer and scheduler (``optimizer_setup.py``), the script helpers (``utilities.py``),
+the process side (``trainer_processes.py``); ``save_model`` is ``saving.py``, the plugins are ``composition.py``'s.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from .composition import (
     set_seed,
 )
 from .dataloaders import TrainerData, pads_batches
+from .grad_norm import TrainerGradNorm
 from .hf_names import REFUSED, check_overrides, check_sharded_overrides, refusing_method
 from .log_save_evaluate import TrainerLogSaveEvaluate
 from .loss_protocol import accepts_loss_kwargs, default_label_names, item_counter
@@ -69,6 +70,7 @@ class Trainer(
     TrainerInternals,
     TrainerStepHooks,
     TrainerLogSaveEvaluate,
+    TrainerGradNorm,
     TrainerData,
     TrainerOptimizers,
     TrainerUtilities,
@@ -354,8 +356,7 @@ class Trainer(
         finally:
             self._prediction_loss_only, self._ignore_keys = saved
 
-    #: HF's ``Trainer.hyperparameter_search`` on optuna (plugins/facade/search.py)
-    hyperparameter_search = _hyperparameter_search
+    hyperparameter_search = _hyperparameter_search  # HF's ``Trainer.hyperparameter_search`` on optuna (search.py)
 
     def create_model_card(self, **kwargs: Any) -> None:
         """Write ``README.md`` about this run next to the saved model in output_dir (HF's, without the hub)."""
@@ -365,9 +366,8 @@ class Trainer(
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save a loadable final model (``save_pretrained`` for HF models) and its model card to output_dir.
 
-        The main process writes. A plugin may put other weights in the model while it is saved (the
-        save-model protocol, ``saving.py``): with an ``EMA`` plugin the averaged weights are saved (its
-        ``save_averaged=False`` keeps the training weights).
+        The main process writes. A plugin may put other weights in the model while it is saved (``saving.py``):
+        with an ``EMA`` plugin the averaged weights are saved (its ``save_averaged=False`` keeps the training ones).
         """
         save_final_model(self, output_dir)
 
