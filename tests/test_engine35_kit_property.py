@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -130,3 +131,16 @@ def test_toy_engine_is_quiet_under_hypothesis(caplog: pytest.LogCaptureFixture) 
     with caplog.at_level(logging.WARNING, logger="trainbus.engine"):
         prop()
     assert len(runs) >= 5 and not [r for r in caplog.records if "no LOG handler" in r.getMessage()]
+
+
+def test_a_trace_error_says_what_breaks_the_grammar_and_what_to_do() -> None:
+    from trainbus.engine.testing import EventRecorder, TraceError, check_trace
+
+    recorder = EventRecorder()
+    config = LoopConfig(8, 2, 1, 1, None, None)
+    engine = toy_engine(config, plugins=[recorder], eval_data=[(torch.randn(2, 3), torch.randn(2, 1))])
+    engine.on(Event.LOSS(once=2), lambda ev: ev.engine.evaluate())  # evaluate() in the middle of a window
+    engine.fit()
+    with pytest.raises(TraceError, match=r"event #\d+ is EVAL_START.*ask through engine.control instead "
+                                         r"\(should_evaluate"):  # fmt: skip
+        check_trace(recorder.names)

@@ -53,9 +53,15 @@ class TraceError(AssertionError):
     def __init__(self, position: int, got: str, expected: Sequence[str], trace: Sequence[str]) -> None:
         context = " ".join(trace[max(0, position - 4) : position + 1])
         super().__init__(
-            f"event #{position} is {got}, expected one of {sorted(expected)} (…{context})"
-            if got != "<end>"
-            else f"trace ended after event #{position - 1}; expected one of {sorted(expected)} (…{context})"
+            (
+                f"event #{position} is {got}, expected one of {sorted(expected)} (…{context})"
+                if got != "<end>"
+                else f"trace ended after event #{position - 1}; expected one of {sorted(expected)} (…{context})"
+            )
+            + ". The loop fires these in order; a handler that calls engine.evaluate() / predict() / log() / fit() "
+            "breaks it: ask through engine.control instead (should_evaluate, should_log, should_save, "
+            "should_training_stop), which the loop acts on after STEP_END. A recorder attached to two engines "
+            "mixes their traces"
         )
         self.position = position
         self.got = got

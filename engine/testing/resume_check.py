@@ -92,7 +92,8 @@ def check_resume_equivalence(
         _check_at(make_engine, at, reference, ignored)
         return
     if last < 2:
-        raise ConfigError(f"the run has {last} step(s): resuming needs at least 2")
+        raise ConfigError(f"the run has {last} step(s): resuming needs at least 2; give make_engine a longer run "
+                          "(more data, epochs or max_steps)")  # fmt: skip
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
@@ -209,7 +210,8 @@ def _interrupted(engine: Engine, at: int) -> Snapshot:
     with contextlib.suppress(_Interrupt):  # a handler's exception reaches the caller as itself
         engine.fit()
     if not saved:
-        raise ConfigError(f"the run never reached step {at}, so nothing was saved")
+        raise ConfigError(f"the run never reached step {at}, so nothing was saved; pass an at= the run reaches "
+                          "(or leave it out: hypothesis then draws one)")  # fmt: skip
     return saved
 
 
