@@ -47,11 +47,6 @@ def poison(directory: Path, name: str = "0.weight", value: float = float("nan"))
     rehash(directory, "model.safetensors")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs reading.read_checkpoint to call weights.check_weights instead of check_dtypes (logs37's file; "
-    "NOTES.md): until then the NaN is refused when applied, without a fallback",
-)
 def test_resume_true_falls_back_past_nan_weights(run: Path) -> None:
     poison(run / "checkpoint-4")
     fresh = make_engine(run, max_steps=6)
@@ -95,10 +90,6 @@ def test_a_buffer_may_hold_minus_infinity_never_nan() -> None:
     check_finite(big, "here", model.state_dict(keep_vars=True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs restored.check_state_fields to bound epochs_completed by micro_steps (logs37's file; NOTES.md)",
-)
 def test_epochs_completed_beyond_the_run_falls_back(run: Path) -> None:
     """Every epoch holds at least one micro-batch: epochs_completed <= micro_steps, as batches_in_epoch is."""
     newest = run / "checkpoint-4"

@@ -52,7 +52,7 @@ from ..data.loading import ensure_resumable_data
 from ..distributed.processes import barrier, gather_to_main, rank
 from . import identity
 from . import io as cio
-from .checkpoint_checks import check_checkpointing_arguments, unscheduled_saves
+from .checkpoint_checks import check_checkpointing_arguments, check_checkpointing_options, unscheduled_saves
 from .directory import PREFIX, latest_checkpoint, list_checkpoints, publish_directory
 from .final_model import save_model
 from .frozen import BASE_MODEL_FILES, checkpoint_fingerprint
@@ -110,9 +110,8 @@ def save_checkpoint(
 ) -> Path:
     """Write ``output_dir/checkpoint-{global_step}`` atomically and return its path.
 
-    ``model_folder(directory)`` writes the files that make the checkpoint a model folder
-    (config.json, the tokenizer's files, ...: the facade's ``model_folder.checkpoint_extras``);
-    whatever it writes is listed in the manifest like trainbus's own files.
+    ``model_folder(directory)`` writes the files that make the checkpoint a model folder (config.json, the
+    tokenizer's files, ...: the facade's ``checkpoint_extras``), listed in the manifest like trainbus's own.
 
     ``model_only`` (HF's save_only_model) writes the model and the trainer state but no optimizer,
     plugin or RNG state: smaller, and it cannot be resumed from (loading one says so).
@@ -263,6 +262,7 @@ class Checkpointing(Plugin):
     ) -> None:
         strategy = check_checkpointing_arguments(output_dir, save_total_limit, save_safetensors, save_strategy,
                                                   save_steps)
+        check_checkpointing_options(best_metric_key, only_best_at_end, save_only_model, model_folder)
         self.output_dir = Path(output_dir)
         self.save_total_limit = save_total_limit
         self.best_metric_key = best_metric_key

@@ -27,7 +27,7 @@ from .model_part import weights_file
 from .restored import check_rng_states, check_state_fields, trusted_best
 from .safety import DamagedCheckpoint, damaged
 from .sharded import SHARDED, load_shards, world_size_error
-from .weights import check_dtypes
+from .weights import check_weights
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -97,7 +97,7 @@ def read_checkpoint(path: str | Path, *, verify: bool = True, model: torch.nn.Mo
         if not sharded:
             weights = files.tensors(weights_file(manifest, directory / cio.MANIFEST))
             if model is not None:
-                check_dtypes(model, weights, str(directory / weights_file(manifest, directory / cio.MANIFEST)))
+                check_weights(model, weights, str(directory / weights_file(manifest, directory / cio.MANIFEST)))
             optimizer = files.bundle("optimizer")
             if not isinstance(optimizer, dict):
                 raise DamagedCheckpoint(f"checkpoint file {directory / 'optimizer.json'} does not hold a state dict")

@@ -49,6 +49,7 @@ _AT_MOST = (
     ("optimizer_steps_taken", "global_step", "steps taken are steps counted"),
     ("best_global_step", "global_step", "the best step cannot be after the checkpoint's"),
     ("batches_in_epoch", "micro_steps", "the micro-batches of the epoch are micro-batches of the run"),
+    ("epochs_completed", "micro_steps", "every epoch holds at least one micro-batch of the run"),
 )
 
 

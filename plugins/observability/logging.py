@@ -19,11 +19,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.engine.errors import ConfigTypeError, check_flag
 from trainbus.hooks import batch_size_of
 
 from ..distributed.processes import all_reduce_sum, collective_device, world_size
@@ -58,6 +59,8 @@ class TrainLogger(Plugin):
     """
 
     priority = Priority.PRODUCER
+    #: the payload fields its handlers read (the engine runs every writer of a field before its readers)
+    reads: ClassVar[Mapping[str, str]] = {"eval_end": "metrics"}
 
     def __init__(
         self,
@@ -66,6 +69,8 @@ class TrainLogger(Plugin):
         input_name: str = "input_ids",
         log_eval_metrics: bool = True,
     ) -> None:
+        check_flag("nan_inf_filter", nan_inf_filter)
+        check_flag("log_eval_metrics", log_eval_metrics)
         if include_num_input_tokens_seen not in ("no", "all", "non_padding"):
             raise ConfigError(
                 "include_num_input_tokens_seen must be 'no', 'all' or 'non_padding', "
@@ -97,7 +102,9 @@ class TrainLogger(Plugin):
         # before Checkpointing (CONSUMER) writes the plugins' states
         self.on(engine, Event.SAVE, self.hold_window, priority=Priority.PRODUCER)
         if self.log_eval_metrics:
-            self.on(engine, Event.EVAL_END, self.eval_end)
+            # after every handler that adds metrics (HF logs them before on_evaluate: before CallbackAdapter's)
+            after_producers = Priority.DEFAULT.after("*").before("CallbackAdapter")
+            self.on(engine, Event.EVAL_END, self.eval_end, priority=after_producers)
 
     # -- per step: device work only ----------------------------------------------------------------
     def train_start(self, ev: TrainStartEvent) -> None:
@@ -307,6 +314,11 @@ class ConsoleSink(Plugin):
     priority = Priority.CONSUMER
 
     def __init__(self, stream: Any = None) -> None:
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            raise ConfigTypeError(
+                f"ConsoleSink's stream must have a write(text) method (a file, sys.stderr, io.StringIO) or be None "
+                f"(print to stdout), got {stream!r:.80} ({type(stream).__name__})"
+            )
         self.stream = stream
 
     def attach(self, engine: Engine) -> None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbus.engine import Composition, ConfigError, Event, Plugin, Priority
+from trainbus.engine.errors import check_path
 
 from ..checkpoints.identity import run_id
 from .logging import SINKS, TrainLogger
@@ -101,6 +102,7 @@ class _FileSink(Plugin):
     priority = Priority.CONSUMER
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        check_path("path", path)
         self.path = Path(path)
         #: this run's records in the file (and the records of the runs it resumes); None: unknown (a checkpoint
         #: from before sinks kept it: nothing is cut)
@@ -312,6 +314,7 @@ class TensorBoardSink(Plugin):
     priority = Priority.CONSUMER
 
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        check_path("log_dir", log_dir)
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
