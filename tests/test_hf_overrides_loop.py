@@ -101,8 +101,30 @@ class HalfClip:
         return 2 * float(super()._get_grad_norm(model, grad_norm=grad_norm))
 
 
+class PassThrough:
+    """Only super(): transformers' body as trainbus does it."""
+
+    def _maybe_log_save_evaluate(self: Any, *args: Any, **kwargs: Any) -> None:
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+
+
+class PoisonedRegressor(Regressor):
+    """A NaN loss for the poisoned samples' batches, with the gradients of the others (the NaN is a constant)."""
+
+    def forward(self, x: torch.Tensor, labels: Any = None, poison: Any = None) -> dict[str, torch.Tensor]:
+        out = super().forward(x, labels)
+        if labels is not None and poison is not None:
+            out["loss"] = out["loss"] + torch.where(poison.any(), torch.tensor(math.nan), torch.tensor(0.0))
+        return out
+
+
+def _poisoned(n: int) -> list[dict[str, Any]]:
+    return [{**item, "poison": torch.tensor(i == 5)} for i, item in enumerate(_data(n))]
+
+
 def _run(base: type, mixin: type, args_cls: type, out: Path, **overrides: Any) -> tuple[list[dict[str, Any]], Any]:
     cls = type(mixin.__name__, (mixin, base), {})
+    poisoned = overrides.pop("poisoned", False)
     kwargs: dict[str, Any] = {
         "report_to": "none",
         "use_cpu": True,
@@ -117,7 +139,8 @@ def _run(base: type, mixin: type, args_cls: type, out: Path, **overrides: Any) -
         **overrides,
     }
     torch.manual_seed(0)
-    trainer = cls(Regressor(), args_cls(str(out), **kwargs), train_dataset=_data(16), eval_dataset=_data(8))
+    model, data = (PoisonedRegressor(), _poisoned(16)) if poisoned else (Regressor(), _data(16))
+    trainer = cls(model, args_cls(str(out), **kwargs), train_dataset=data, eval_dataset=_data(8))
     trainer.train()
     return trainer.state.log_history, trainer
 
@@ -143,6 +166,9 @@ SUBCLASSES = {
     "every third step": (EveryThirdStep, {"eval_strategy": "no", "save_strategy": "no"}),
     "copied body, save best": (CopiedBody, {"save_strategy": "best", "metric_for_best_model": "loss"}),
     "copied body, epochs": (CopiedBody, {"max_steps": -1, "num_train_epochs": 2, **EPOCHS}),
+    "own metric, save best": (OwnMetric, {"save_strategy": "best", "metric_for_best_model": "loss"}),
+    "super() only, a NaN loss filtered": (PassThrough, {"poisoned": True}),
+    "super() only, unfiltered": (PassThrough, {"logging_nan_inf_filter": False, "logging_first_step": True}),
     "learning rate": (FixedRate, {}),
     "clipping": (HalfClip, {}),
 }

@@ -261,7 +261,9 @@ class TrainerLogSaveEvaluate:
         if isinstance(grad_norm, torch.Tensor):
             parts.append(grad_norm.detach().reshape(()).to(loss.device, torch.float64))
         values = torch.stack(parts).tolist()
-        tr_loss.zero_()  # the caller's tensor: the loop goes on adding to it
+        # the caller's tensor, which the loop goes on adding to; zeroed, so that an unfiltered NaN stays in its
+        # window as with trainbus's logger (transformers' ``tr_loss -= tr_loss`` keeps a NaN for the rest of the run)
+        tr_loss.zero_()
         logs: dict[str, Any] = {"loss": values[0] / (self.state.global_step - self._globalstep_last_logged)}
         if grad_norm is not None:
             logs["grad_norm"] = values[1] if isinstance(grad_norm, torch.Tensor) else grad_norm
