@@ -25,6 +25,7 @@ import torch
 from trainbus.engine import ConfigError, EvalEndEvent, Event, Plugin, Priority
 
 from ..checkpoints.directory import set_aside
+from ..checkpoints.lock import hold_output_dir
 
 #: epochs of the default and of the quick demo (early stopping may end a run sooner)
 DEMO_EPOCHS = 20
@@ -232,7 +233,8 @@ def _clear_old_checkpoints(output_dir: str, overwrite: bool) -> None:
             f"{output_dir} holds checkpoints of a previous run ({names}); "
             "pass --overwrite-output-dir to move them into previous-runs/, or choose another --output-dir"
         )
-    folder = set_aside(output_dir)
+    with hold_output_dir(output_dir):  # under the lock: a run writing there (another container's too) is never touched
+        folder = set_aside(output_dir)
     print(f"trainbus demo: the previous run's checkpoints moved to {folder}", file=sys.stderr)
 
 
