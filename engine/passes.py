@@ -15,7 +15,7 @@ import torch
 
 from trainbus.hooks import Hooks
 
-from .errors import ConfigError
+from .errors import ConfigError, ConfigTypeError
 from .events import (
     EvalBatchEndEvent,
     EvalEndEvent,
@@ -27,6 +27,7 @@ from .events import (
     PredictEndEvent,
     PredictStartEvent,
 )
+from .inputs import check_data
 from .lifecycle import Lifecycle
 
 if TYPE_CHECKING:
@@ -54,9 +55,13 @@ class Passes(Lifecycle):
         ``data`` (default ``eval_data``) may be a dict of named sets: each runs with prefix
         ``{prefix}_{name}`` and the results are merged.
         """
+        name = "eval_data" if data is None else "evaluate()'s data"
         data = self.eval_data if data is None else data
         if data is None:
             raise ConfigError("evaluate() needs data: pass eval_data to the Engine or data to evaluate()")
+        check_data(name, data, named=True)
+        if not isinstance(prefix, str):
+            raise ConfigTypeError(f"evaluate()'s prefix must be a str (metric names start with it), got {prefix!r:.80}")
         if isinstance(data, Mapping):
             metrics: dict[str, Any] = {}
             for name, subset in data.items():
@@ -92,6 +97,7 @@ class Passes(Lifecycle):
 
     def predict(self, data: Iterable[Any]) -> Any:
         """Run the prediction loop; returns what PREDICT_END handlers put in ``payload.output``."""
+        check_data("predict()'s data", data)
         engine = cast("EngineView", self)
         hooks, model = self.hooks, self.model
         data = hooks.eval_data(data)

@@ -59,6 +59,9 @@ CASES: list[tuple[str, Callable[[], Any], tuple[str, ...]]] = [
     ("label_names a number", lambda: engine(label_names=5), ("label_names", "5", "list or tuple of str")),
     ("label_names holds a number", lambda: engine(label_names=["y", 5]), ("label_names", "5", "str only")),
     ("trace a str", lambda: engine(trace="yes"), ("trace", "'yes'", "True or False")),
+    ("evaluate data a number", lambda: engine().evaluate(5), ("evaluate()'s data", "5", "iterable of batches")),
+    ("evaluate prefix a number", lambda: engine(eval_data=[1]).evaluate(prefix=5), ("prefix", "5", "str")),
+    ("predict data a number", lambda: engine().predict(5), ("predict()'s data", "5", "iterable of batches")),
     # plugins
     ("clipping max_norm negative", lambda: GradientClipping(max_norm=-1), ("max_norm must be", "-1")),
     ("clipping norm_type a bool", lambda: GradientClipping(norm_type=True), ("norm_type", "True")),
