@@ -242,7 +242,7 @@ def test_loaders_that_resume_exactly_attach_quietly(tmp_path: Path) -> None:
 
 
 # -- transformers' masked-LM collator with a seed of its own, under the Trainer -------------------
-def masked_lm_trainer(output_dir: Path) -> Any:
+def masked_lm_trainer(output_dir: Path, **more: Any) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, PreTrainedTokenizerFast
 
@@ -261,8 +261,9 @@ def masked_lm_trainer(output_dir: Path) -> Any:
     config = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=24, max_position_embeddings=16)  # fmt: skip
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3, seed=3)
-    args = quiet_args(output_dir, max_steps=6, per_device_train_batch_size=4, learning_rate=0.01,
-                      save_strategy="steps", save_steps=1, seed=2)  # fmt: skip
+    options = dict(max_steps=6, per_device_train_batch_size=4, learning_rate=0.01, save_strategy="steps",
+                   save_steps=1, seed=2) | more  # fmt: skip
+    args = quiet_args(output_dir, **options)
     return Trainer(BertForMaskedLM(config), args, train_dataset=rows, data_collator=collator)
 
 
@@ -275,3 +276,25 @@ def test_transformers_masked_lm_collator_with_a_seed_resumes_bit_exact(tmp_path:
         resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{step}"))
         for a, b in zip(full.model.parameters(), resumed.model.parameters(), strict=True):
             assert torch.equal(a, b), f"resumed from checkpoint-{step}"
+
+
+def test_the_trainer_names_a_seeded_collator_its_workers_cannot_draw_again(tmp_path: Path) -> None:
+    """The Trainer's loader wraps the collator (unused columns): the warning looks inside the wrapper."""
+    trainer = masked_lm_trainer(tmp_path, max_steps=1, save_strategy="no", dataloader_num_workers=1)
+    with pytest.warns(UserWarning, match="DataCollatorForLanguageModeling makes its own random generator in each"):
+        trainer.train()
+
+
+def test_a_checkpoint_sets_no_generator_where_an_object_makes_none() -> None:
+    """Only an object that makes its ``generator`` at its first call gets one made from a checkpoint's state."""
+    from trainbus.plugins.data.generators import generator_state, restore_generators
+
+    collator, transform = MaskingCollator(4), PlainRows()
+    transform.transform = None  # type: ignore[attr-defined]
+    state = generator_state(torch.Generator().manual_seed(8))
+    restore_generators({"collate_fn": collator, "dataset": transform},
+                       {"collate_fn.generator": state, "dataset.transform": state})  # fmt: skip
+    assert isinstance(collator.generator, torch.Generator) and torch.equal(
+        collator.generator.get_state(), state["state"]
+    )
+    assert transform.transform is None  # type: ignore[attr-defined]

@@ -29,30 +29,33 @@ KINDS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Ran
 DEPTH = 3
 #: longer lists and dicts are data (rows), not parts of a loading object: not looked into
 SMALL = 16
+#: objects looked at per walk (a dataset with deep internals costs no more than this)
+LIMIT = 512
 _SKIP = (torch.Tensor, torch.nn.Module, types.ModuleType, type, str, bytes, int, float, bool, np.ndarray)
 
 
 def find_generators(roots: dict[str, Any]) -> dict[str, Any]:
     """``{path: generator}`` for the generators found under each root (``"collate_fn.generator"``), each once."""
-    found: dict[str, Any] = {}
+    return {path: value for path, value in _objects(roots) if isinstance(value, KINDS)}
+
+
+def _objects(roots: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Every object under the roots, by path, each once, at most ``LIMIT`` of them (a breadth-first walk)."""
     seen: set[int] = set()
-    for name, root in roots.items():
-        for path, generator in _walk(root, name, DEPTH, seen):
-            found.setdefault(path, generator)
-    return found
-
-
-def _walk(value: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
-    if value is None or id(value) in seen:
-        return
-    seen.add(id(value))
-    if isinstance(value, KINDS):
+    queue = [(name, root, DEPTH) for name, root in roots.items()]
+    visited = 0
+    while queue and visited < LIMIT:
+        path, value, depth = queue.pop(0)
+        if value is None or id(value) in seen:
+            continue
+        seen.add(id(value))
+        visited += 1
         yield path, value
-        return
-    if depth == 0 or isinstance(value, _SKIP) or callable(getattr(value, "__array__", None)):
-        return
-    for key, item in _children(value):
-        yield from _walk(item, f"{path}.{key}", depth - 1, seen)
+        if isinstance(value, KINDS) or depth == 0 or isinstance(value, _SKIP):
+            continue
+        if callable(getattr(type(value), "__array__", None)):
+            continue
+        queue += [(f"{path}.{key}", item, depth - 1) for key, item in _children(value)]
 
 
 def _children(value: Any) -> list[tuple[str, Any]]:
@@ -141,19 +144,20 @@ def restore_generators(roots: dict[str, Any], saved: dict[str, Any]) -> None:
         generator = found.get(path)
         if generator is None:
             generator = _make_missing(roots, path, state["kind"])
+        elif generator_state_kind(generator) != state["kind"]:
+            continue  # another object at that path than the checkpoint's: its generator stays
         if generator is not None:
             set_generator_state(generator, state)
 
 
 def _make_missing(roots: dict[str, Any], path: str, kind: str) -> Any:
-    name, *keys = path.split(".")
-    owner = roots.get(name)
-    for key in keys[:-1]:
-        owner = getattr(owner, key, None) if not isinstance(owner, list | tuple | dict) else None
-    if not keys or owner is None or getattr(owner, keys[-1], 0) is not None:
-        return None
+    owners = dict(_objects(roots))
+    parent, _, attribute = path.rpartition(".")
+    owner = owners.get(parent)
+    if attribute != "generator" or owner is None or not _makes_generator_lazily(owner):
+        return None  # only where an object makes its generator when first called
     generator = make_generator(kind)
-    setattr(owner, keys[-1], generator)
+    setattr(owner, attribute, generator)
     if hasattr(owner, "_generator_pid"):
         owner._generator_pid = os.getpid()
     return generator
@@ -171,14 +175,18 @@ def reseed(generator: Any, seed: int) -> None:
         generator.seed(seed)
 
 
-def lazy_generator_owners(roots: dict[str, Any]) -> list[str]:
-    """Paths of objects that make a generator of their own at their first call (``generator`` None, a ``seed``
-    set: transformers' collators): in each worker process they make it again, seeded by the worker's id."""
-    return [
-        name
-        for name, root in roots.items()
-        if root is not None
-        and "generator" in getattr(root, "__dict__", {})
-        and root.generator is None
-        and getattr(root, "seed", None) is not None
-    ]
+def lazy_generator_owners(roots: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``(path, object)`` of objects that make a generator of their own at their first call (``generator``
+    None, a ``seed`` set: transformers' collators): in each worker process they make it again, seeded by
+    the worker's id."""
+    return [(path, value) for path, value in _objects(roots) if _makes_generator_lazily(value)]
+
+
+def _makes_generator_lazily(value: Any) -> bool:
+    attributes = getattr(value, "__dict__", None)
+    return (
+        isinstance(attributes, dict)
+        and "generator" in attributes
+        and attributes["generator"] is None
+        and attributes.get("seed") is not None
+    )

@@ -40,7 +40,7 @@ from torch.utils.data import (
 
 from .generators import find_generators, generator_state, lazy_generator_owners, set_generator_state
 from .rng import rng_state, same_rng_state, set_rng_state
-from .seeded import fetched_dataset
+from .seeded import SeededBatches, fetched_dataset
 
 #: torch's samplers that draw only when a pass starts, from the global generator or their own
 REPLAYABLE = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
@@ -315,10 +315,15 @@ def worker_problems(data: Any) -> list[str]:
             "draw it makes goes on from epoch to epoch in worker processes that a resumed run starts anew "
             "(set persistent_workers=False, or draw from generators seeded by the epoch)"
         )
-    for name in lazy_generator_owners({"collate_fn": data.collate_fn, "dataset": data.dataset}):
-        owner = getattr(data, name)
+    if type(data) is not DataLoader and not isinstance(fetched_dataset(data), IterableDataset | SeededBatches):
         problems.append(
-            f"the loader's {name} {type(owner).__name__} makes its own random generator in each worker at its "
+            f"the train loader is a {type(data).__name__} (a DataLoader subclass), whose workers' batches cannot be "
+            "seeded one by one: if its dataset or collator draws random numbers, a resumed epoch deals the "
+            "remaining batches to workers that loaded others before, and draws differ (pass a torch DataLoader)"
+        )
+    for path, owner in lazy_generator_owners({"collate_fn": data.collate_fn, "dataset": data.dataset}):
+        problems.append(
+            f"the loader's {path} {type(owner).__name__} makes its own random generator in each worker at its "
             "first call, seeded by the worker's id: which batches a worker gets changes on a resume, and so "
             "do its draws (load in the main process, num_workers=0, or give it seed=None: draws from the "
             "global generators are seeded per batch)"
