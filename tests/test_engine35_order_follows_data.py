@@ -6,7 +6,7 @@ evaluation in every plugin order (tests/test_engine35_permutations.py runs whole
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -78,8 +78,8 @@ def test_a_field_the_payload_lacks_is_refused_naming_the_fields() -> None:
 @PENDING_COLLECTOR
 def test_a_plugin_declares_per_method_and_the_declaration_orders_it() -> None:
     class Derived(Plugin):
-        reads = {"eval_end": "metrics.eval_loss"}
-        writes = {"eval_end": "metrics.eval_perplexity"}
+        reads: ClassVar[dict[str, str]] = {"eval_end": "metrics.eval_loss"}
+        writes: ClassVar[dict[str, str]] = {"eval_end": "metrics.eval_perplexity"}
         priority = Priority.PRODUCER
 
         def attach(self, engine: Engine) -> None:
