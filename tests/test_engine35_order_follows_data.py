@@ -124,3 +124,49 @@ def test_a_writer_after_the_logger_is_refused_naming_both() -> None:
     engine = issue_engine([TrainLogger(), EvalCollector()])
     with pytest.raises(ConfigError, match=r"'late' writes 'metrics', which 'TrainLogger.eval_end' reads"):
         engine.on(Event.EVAL_END, noop, name="late", writes="metrics", priority=Priority.CONSUMER)
+
+
+FIELDS = ("metrics", "metrics.eval_a", "metrics.eval_b", "dataloader")
+
+
+@st.composite
+def declared_handlers(draw: st.DrawFn) -> list[tuple[str, int, tuple[str, ...], tuple[str, ...]]]:
+    """Up to 5 handlers in two phases, each reading and writing a few of FIELDS."""
+    count = draw(st.integers(1, 5))
+    fields = st.lists(st.sampled_from(FIELDS), max_size=2, unique=True).map(tuple)
+    phases = st.sampled_from((Priority.PRODUCER, Priority.DEFAULT))
+    return [(f"H{i}", draw(phases), draw(fields), draw(fields)) for i in range(count)]
+
+
+def register(specs: list[tuple[str, int, tuple[str, ...], tuple[str, ...]]], order: list[int]) -> list[str] | None:
+    """The call order after registering ``specs`` in ``order``; None when a registration raised."""
+    bus = EventBus()
+    try:
+        for i in order:
+            name, phase, reads, writes = specs[i]
+            bus.on(Event.EVAL_END, noop, name=name, priority=phase, reads=reads, writes=writes)
+    except ConfigError:
+        return None
+    return bus.handler_names(Event.EVAL_END)
+
+
+def overlapping(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+@settings(max_examples=200, deadline=None)
+@given(declared_handlers(), st.data())
+def test_any_registration_order_keeps_every_writer_before_its_readers(specs: Any, data: st.DataObject) -> None:
+    """Registered in two orders: both raise or neither; when neither, each writer precedes each other reader of
+    what it writes in both (phases permitting), so a composition's data flow does not depend on its list order."""
+    first = register(specs, data.draw(st.permutations(range(len(specs)))))
+    second = register(specs, data.draw(st.permutations(range(len(specs)))))
+    assert (first is None) == (second is None)
+    for order in (first, second):
+        if order is None:
+            continue
+        position = {name: i for i, name in enumerate(order)}
+        for writer, _, _, writes in specs:
+            for reader, _, reads, _ in specs:
+                if writer != reader and any(overlapping(w, r) for w in writes for r in reads):
+                    assert position[writer] < position[reader], (writer, reader, order)
