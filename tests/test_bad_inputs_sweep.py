@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from trainbus.engine import ConfigError, Engine
+from trainbus.plugins.adapters.peft import AdapterSwitch
 from trainbus.plugins.checkpoints.checkpoint_checks import check_checkpointing_options
 from trainbus.plugins.control.best_model import BestMetric
 from trainbus.plugins.control.early_stopping import EarlyStopping
@@ -29,11 +30,14 @@ from trainbus.plugins.observability.debug import UnderflowOverflowDebug
 from trainbus.plugins.observability.flos import FloCounter
 from trainbus.plugins.observability.plots import PlotCurves
 from trainbus.plugins.observability.progress import ProgressBars
+from trainbus.plugins.observability.tracker_base import TrackerSink
+from trainbus.plugins.observability.trackers import MLflowSink, WandbSink
 from trainbus.plugins.optimization.accumulation import GradientAccumulation
 from trainbus.plugins.optimization.clipping import GradientClipping
 from trainbus.plugins.optimization.model_setup import TorchCompile
 from trainbus.plugins.optimization.precision import MixedPrecision
 from trainbus.plugins.optimization.regularization import LabelSmoothing
+from trainbus.plugins.optimization.schedulers import LRScheduler
 
 
 def engine(**kwargs: Any) -> Engine:
@@ -105,6 +109,11 @@ CASES: list[tuple[str, Callable[[], Any], tuple[str, ...]]] = [
     ("label smoothing shift_labels a str", lambda: LabelSmoothing(0.1, shift_labels="x"), ("shift_labels", "'x'")),
     ("plots output_dir a number", lambda: PlotCurves(5), ("output_dir", "5", "path")),
     ("plots filename a number", lambda: PlotCurves("out", filename=5), ("filename", "5", "path")),
+    ("adapter switch a number", lambda: AdapterSwitch(5), ("AdapterSwitch", "5", "adapter names")),
+    ("scheduler warmup a str", lambda: LRScheduler("linear", num_warmup_steps="x"), ("num_warmup_steps", "'x'")),
+    ("tracker config a number", lambda: TrackerSink(config=5), ("config", "5", "dict")),
+    ("wandb project a number", lambda: WandbSink(project=5), ("project", "5", "str")),
+    ("mlflow name a number", lambda: MLflowSink(name=5), ("name", "5", "str")),
 ]  # fmt: skip
 
 

@@ -15,7 +15,7 @@ adapter at an event, and peft's ``set_adapter`` freezes the others. ``prepare_ql
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +73,10 @@ class AdapterSwitch(Plugin):
         if at not in ("epoch", "step"):
             raise ConfigError(f"AdapterSwitch(at=...) must be 'epoch' or 'step', got {at!r}")
         if not callable(adapters):
+            if isinstance(adapters, str) or not isinstance(adapters, Iterable):
+                raise ConfigError(
+                    f"AdapterSwitch needs a list of adapter names or a chooser function, got {adapters!r:.80}"
+                )
             adapters = list(adapters)
             if not adapters or not all(isinstance(a, str) for a in adapters):
                 raise ConfigError(f"AdapterSwitch needs adapter names (strings) or a chooser, got {adapters!r}")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.engine.errors import ConfigTypeError
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine, EvalEndEvent, LogEvent, State, TrainEndEvent, TrainStartEvent
@@ -56,6 +57,13 @@ def _number(value: Any) -> Any:
     return value
 
 
+def check_names(**names: Any) -> None:
+    """A tracker's project / run names: each a non-empty str or None (ConfigTypeError naming the first that is not)."""
+    for key, value in names.items():
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigTypeError(f"{key} must be a non-empty str or None, got {value!r:.80} ({type(value).__name__})")
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "FALSE").upper() in _TRUE
 
@@ -79,6 +87,8 @@ class TrackerSink(Plugin):
     priority = Priority.CONSUMER
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        if config is not None and not isinstance(config, Mapping):
+            raise ConfigTypeError(f"config must be a dict of the run's hyperparameters or None, got {config!r:.80}")
         self.config = dict(config or {})
         self.run_id: str | None = None  # checkpointed: a resumed training continues this run
         self.is_open = False

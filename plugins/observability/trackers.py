@@ -39,6 +39,7 @@ from .tracker_base import (
     _flatten,
     _import,
     _json_object_env,
+    check_names,
     logger,
     run_config,
 )
@@ -79,6 +80,7 @@ class WandbSink(TrackerSink):
         config: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(config)
+        check_names(project=project, name=name, group=group)
         log_model = os.environ.get("WANDB_LOG_MODEL", "false").lower()
         if log_model not in ("false", ""):
             raise ConfigError(
@@ -150,6 +152,7 @@ class MLflowSink(TrackerSink):
 
     def __init__(self, name: str | None = None, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
+        check_names(name=name)
         if _env_flag("HF_MLFLOW_LOG_ARTIFACTS"):
             raise ConfigError(
                 "HF_MLFLOW_LOG_ARTIFACTS: logging checkpoints as artifacts is not supported by the mlflow sink "
@@ -248,6 +251,7 @@ class TrackioSink(TrackerSink):
         static_space_id: str | bool | None = None,
     ) -> None:
         super().__init__(config)
+        check_names(project=project, name=name, space_id=space_id, bucket_id=bucket_id)
         self.trackio = _import("trackio", "trackio")
         self.project, self.name = project, name
         self.space_id, self.bucket_id, self.private = space_id, bucket_id, private

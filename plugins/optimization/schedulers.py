@@ -70,6 +70,9 @@ def resolve_warmup_steps(num_training_steps: int, num_warmup_steps: float = 0, w
 
     A ``num_warmup_steps`` in (0, 1) is a ratio too (transformers 5 merged the two arguments).
     """
+    for name, value in (("warmup_ratio", warmup_ratio), ("num_warmup_steps", num_warmup_steps)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigTypeError(f"{name} must be a number, got {value!r:.80} ({type(value).__name__})")
     if not 0.0 <= warmup_ratio <= 1.0:  # transformers' range: 1 warms up over the whole run
         raise ConfigError(f"warmup_ratio must be in [0, 1], got {warmup_ratio!r}")
     if not num_warmup_steps >= 0:
