@@ -280,9 +280,9 @@ def _probe(sampler: Any, dataset: Any, saved: dict[str, Any]) -> str | None:
 def warn_unless_replayable(data: Any) -> None:
     """Warn when a mid-epoch resume cannot make ``data``'s epoch order again (``replay.replay_problem``), or
     the random draws its workers make (``worker_problems``)."""
-    for problem in worker_problems(data):
+    for worker_problem in worker_problems(data):
         warnings.warn(
-            f"ResumableData: {problem}, so a mid-epoch resume will not reproduce the uninterrupted run",
+            f"ResumableData: {worker_problem}, so a mid-epoch resume will not reproduce the uninterrupted run",
             stacklevel=4,
         )
     problem = replay_problem(data)

@@ -126,7 +126,7 @@ def seeded_loader(loader: Any) -> Any:
         return loader
     twin = loader.__dict__.get("_trainbus_seeded")
     if twin is None:
-        ordered = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}  # torch >= 2.6
+        ordered: dict[str, Any] = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}  # torch >= 2.6
         twin = SeededDatasetLoader(
             SeededBatches(loader.dataset, 0, loader.collate_fn),
             batch_sampler=loader.batch_sampler,
