@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -116,6 +116,8 @@ class EvalCollector(Plugin):
     """
 
     priority = Priority.PRODUCER
+    #: the metrics it fills at EVAL_END / PREDICT_END run before every handler reading them (TrainLogger's)
+    writes: ClassVar[Mapping[str, str]] = {"eval_end": "metrics", "predict_end": "metrics"}
 
     def __init__(
         self,
