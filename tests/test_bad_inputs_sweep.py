@@ -19,6 +19,7 @@ import torch
 
 from trainbus.engine import ConfigError, Engine
 from trainbus.plugins.adapters.peft import AdapterSwitch
+from trainbus.plugins.checkpoints.checkpoint import Checkpointing
 from trainbus.plugins.checkpoints.checkpoint_checks import check_checkpointing_options
 from trainbus.plugins.control.best_model import BestMetric
 from trainbus.plugins.control.early_stopping import EarlyStopping
@@ -28,8 +29,10 @@ from trainbus.plugins.control.pruning import TrialPruning
 from trainbus.plugins.evaluation.collector import EvalCollector
 from trainbus.plugins.observability.debug import UnderflowOverflowDebug
 from trainbus.plugins.observability.flos import FloCounter
+from trainbus.plugins.observability.logging import ConsoleSink, TrainLogger
 from trainbus.plugins.observability.plots import PlotCurves
 from trainbus.plugins.observability.progress import ProgressBars
+from trainbus.plugins.observability.sinks import CsvSink, JsonlSink, TensorBoardSink
 from trainbus.plugins.observability.tracker_base import TrackerSink
 from trainbus.plugins.observability.trackers import MLflowSink, WandbSink
 from trainbus.plugins.optimization.accumulation import GradientAccumulation
@@ -110,6 +113,13 @@ CASES: list[tuple[str, Callable[[], Any], tuple[str, ...]]] = [
     ("plots output_dir a number", lambda: PlotCurves(5), ("output_dir", "5", "path")),
     ("plots filename a number", lambda: PlotCurves("out", filename=5), ("filename", "5", "path")),
     ("adapter switch a number", lambda: AdapterSwitch(5), ("AdapterSwitch", "5", "adapter names")),
+    ("checkpointing only_best_at_end a str", lambda: Checkpointing("out", only_best_at_end="x"),
+     ("only_best_at_end", "'x'")),
+    ("jsonl sink path a number", lambda: JsonlSink(5), ("path", "5", "path")),
+    ("csv sink path None", lambda: CsvSink(None), ("path", "None", "path")),
+    ("tensorboard log_dir a number", lambda: TensorBoardSink(5), ("log_dir", "5", "path")),
+    ("logger nan_inf_filter a str", lambda: TrainLogger(nan_inf_filter="x"), ("nan_inf_filter", "'x'")),
+    ("console stream a number", lambda: ConsoleSink(5), ("stream", "write")),
     ("scheduler warmup a str", lambda: LRScheduler("linear", num_warmup_steps="x"), ("num_warmup_steps", "'x'")),
     ("tracker config a number", lambda: TrackerSink(config=5), ("config", "5", "dict")),
     ("wandb project a number", lambda: WandbSink(project=5), ("project", "5", "str")),
