@@ -300,6 +300,8 @@ def check_compile_settings(args: Any) -> None:
 
     if (args.torch_compile_mode is not None or args.torch_compile_backend is not None) and not args.torch_compile:
         args.torch_compile = True  # HF 5 does the same rather than ignoring them
+    if args.torch_compile and args.torch_compile_backend is None:
+        args.torch_compile_backend = "inductor"  # HF's default backend (torch.compile's too)
     check_compile_mode(args.torch_compile_mode, "torch_compile_mode")
 
 

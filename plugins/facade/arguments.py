@@ -195,6 +195,7 @@ class TrainingArguments(ProcessArguments):
         self.output_dir = os.path.expanduser(os.fspath(self.output_dir))
         check_output_dir(self.output_dir)
         self._mirror_checkpointing_names()
+        self.optim = _plain_value(self.optim)  # transformers' OptimizerNames member: its name (HF compares equal)
         if self.disable_tqdm is None:
             self.disable_tqdm = False
         if isinstance(self.include_num_input_tokens_seen, bool):
@@ -214,6 +215,8 @@ class TrainingArguments(ProcessArguments):
             setattr(self, name, dict_argument(name, getattr(self, name)))  # CLI JSON, as HF parses it
         self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
         check_compile_settings(self)
+        if self.use_cpu:
+            self.dataloader_pin_memory = False  # HF: nothing is pinned for a CPU run
         check_numbers(self)
         check_steps(self)
         check_lr_scheduler(self)
@@ -306,8 +309,11 @@ class TrainingArguments(ProcessArguments):
         return math.ceil(num_training_steps * self.warmup_ratio)
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in data.items()}
+        """The fields as JSON-ready values, as HF's: enums (and lists of them) by value, a ``dtype`` entry (at any
+        depth of dict values) by its torch name (``torch.float32`` -> ``"float32"``)."""
+        data = {k: _plain_value(v) for k, v in dataclasses.asdict(self).items()}
+        _dtype_names(data)
+        return data
 
     def __getattr__(self, name: str) -> Any:
         """A transformers field trainbus takes only at its default reads as that default, as scripts read it
@@ -323,6 +329,24 @@ class TrainingArguments(ProcessArguments):
         """``to_dict`` with every value a bool, int, float or str (HF's, for trackers' hyperparameter tables)."""
         data = {**self.to_dict(), "train_batch_size": self.train_batch_size, "eval_batch_size": self.eval_batch_size}
         return {k: v if type(v) in (bool, int, float, str) else str(v) for k, v in data.items()}
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, list) and value and isinstance(value[0], enum.Enum):
+        return [v.value for v in value]
+    return value
+
+
+def _dtype_names(data: dict[str, Any]) -> None:
+    """HF's rule: a ``dtype`` key holding a torch dtype becomes its name, in ``data`` and in its dict values."""
+    dtype = data.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):
+        data["dtype"] = str(dtype).rsplit(".", 1)[-1]
+    for value in data.values():
+        if isinstance(value, dict):
+            _dtype_names(value)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TrainingArguments))

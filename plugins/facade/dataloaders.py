@@ -108,7 +108,7 @@ class TrainerData:
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
-        return build_dataloader(
+        loader = build_dataloader(
             dataset,
             batch_size=batch_size,
             collate_fn=CheckedCollator(collator, self.label_names_arg),  # bad samples named
@@ -123,6 +123,12 @@ class TrainerData:
             sampler=sampler,
             loader_class=DataLoader if is_training else FetchAheadLoader,
         )
+        # accelerate's prepared loaders tell the batch size over all processes (transformers' tests read it)
+        loader.total_batch_size = batch_size * max(1, args.world_size)
+        if dataloader_key is not None and args.dataloader_persistent_workers:
+            # HF: with persistent workers an evaluation loader is made once per eval set and kept
+            self._eval_dataloaders = {**getattr(self, "_eval_dataloaders", {}), dataloader_key: loader}
+        return loader
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         """HF's: the train set's sampler, here the length-grouped one with ``train_sampling_strategy=
@@ -163,20 +169,35 @@ class TrainerData:
         self._rebuild_named_schedule()  # for the new number of steps (HF)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
+        """HF's: the loader of ``eval_dataset`` (a name: that set of the Trainer's dict of eval sets), else of the
+        Trainer's; with persistent workers the loader made first for a name (or "eval") is kept and returned."""
+        if eval_dataset is None and self.eval_dataset is None:
             raise ConfigError("Trainer: evaluation requires an eval_dataset")
         key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+        kept = getattr(self, "_eval_dataloaders", {})
+        if key in kept and self.args.dataloader_persistent_workers:
+            return kept[key]
+        dataset = self._named_eval_set(eval_dataset) if isinstance(eval_dataset, str) else eval_dataset
+        if dataset is None:
+            dataset = self.eval_dataset
         return self._get_dataloader(
             dataset, "Evaluation", self.args.eval_batch_size, self._get_eval_sampler, False, key
         )
+
+    def _named_eval_set(self, name: str) -> Any:
+        sets = self.eval_dataset
+        if not isinstance(sets, Mapping) or name not in sets:
+            known = sorted(sets) if isinstance(sets, Mapping) else "none (eval_dataset is not a dict)"
+            raise ConfigError(f"get_eval_dataloader({name!r}): no eval set of that name; the names are {known}")
+        return sets[name]
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
         return self._get_dataloader(test_dataset, "test", self.args.eval_batch_size, self._get_eval_sampler)
 
     def _eval_loaders(self, dataset: Any) -> Any:
-        if isinstance(dataset, Mapping):
-            return {name: self.get_eval_dataloader(d) for name, d in dataset.items()}
+        if isinstance(dataset, Mapping):  # HF asks for the Trainer's own sets by name
+            own = dataset is self.eval_dataset
+            return {name: self.get_eval_dataloader(name if own else d) for name, d in dataset.items()}
         return self.get_eval_dataloader(dataset)
 
     def num_examples(self, dataloader: Any) -> int:

@@ -28,6 +28,7 @@ and say so before a run starts: ``galore_adamw_8bit*`` (GaLore's 8-bit step call
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import dataclass
 
 from trainbus.engine import ConfigError
@@ -145,6 +146,17 @@ def optimizer_spec(name: str) -> OptimizerSpec:
     return spec
 
 
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported: one already in ``sys.modules`` is (a test may put a stand-in there, which
+    has no ``__spec__``), one set to None there is not (Python refuses that import); else ``find_spec`` finds it."""
+    if module in sys.modules and sys.modules[module] is None:
+        return False
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules without a __spec__: a stand-in, importable
+        return True
+
+
 def check_optim(
     name: str,
     *,
@@ -161,7 +173,7 @@ def check_optim(
     rejects optimizers that need a CUDA GPU; None skips that check.
     """
     spec = optimizer_spec(name)
-    if spec.module != "torch" and importlib.util.find_spec(spec.module) is None:
+    if spec.module != "torch" and not _installed(spec.module):
         raise ConfigImportError(f"optim={name!r} needs the package {spec.pip}: {spec.how_to_install()}")
     if spec.device == "cuda" and has_cuda is False:
         raise ConfigError(f"optim={name!r} needs a CUDA GPU ({spec.pip} runs it on torch.cuda); this run has none")

@@ -8,6 +8,7 @@ resolver runs.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,7 +108,8 @@ def _torchao(bits: int) -> Resolver:
 # -- bitsandbytes ------------------------------------------------------------------------------------
 def _bitsandbytes(kind: str, bits: int, paged: bool = False) -> Resolver:
     def resolve(req: OptimizerRequest) -> Resolved:
-        from bitsandbytes import optim
+        # the submodule by its full name, as transformers imports it (None in sys.modules: an ImportError)
+        optim = importlib.import_module("bitsandbytes.optim")
 
         args = req.optim_args
         cls: Any
