@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,47 @@ class Adversarial(Trainer):
         return loss.detach()
 
 
+class FreeAdversarial(Trainer):
+    """'Free' adversarial training: a perturbation made at the first step, kept and pushed along the input
+    gradient's sign from step to step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delta: torch.Tensor | None = None
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        if self.delta is None:
+            self.delta = torch.zeros_like(inputs["x"])
+        x = (inputs["x"] + self.delta).requires_grad_(True)
+        loss = self.compute_loss(model, {**inputs, "x": x})
+        self.accelerator.backward(loss)
+        self.delta = (self.delta + 0.02 * x.grad.sign()).clamp(-0.1, 0.1).detach()
+        return loss.detach()
+
+
+class DynamicWeights(Trainer):
+    """Multi-task weights from each task's loss history (dynamic weight averaging), kept in a defaultdict."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.history: defaultdict[str, list[float]] = defaultdict(list)
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        losses = {"mse": torch.nn.functional.mse_loss(outputs["logits"], labels),
+                  "l1": (outputs["logits"] - labels).abs().mean()}  # fmt: skip
+        weights = {k: 1.0 if len(self.history[k]) < 2 else self.history[k][-1] / self.history[k][-2] for k in losses}
+        for k, v in losses.items():
+            self.history[k].append(float(v))
+        loss = sum(weights[k] * v for k, v in losses.items())
+        return (loss, outputs) if return_outputs else loss
+
+
 def make(kind: type[Trainer], output_dir: Path, **more: Any) -> Trainer:
     torch.manual_seed(0)
     model = NoisyRegressor()
@@ -112,9 +154,19 @@ def assert_resumes_exactly(tmp_path: Path, kind: type[Trainer], steps: tuple[int
             assert torch.equal(a, b), f"{kind.__name__} resumed from checkpoint-{step}"
 
 
-@pytest.mark.parametrize("kind", [Distillation, MultiTask, Adversarial], ids=lambda k: k.__name__)
+@pytest.mark.parametrize(
+    "kind", [Distillation, MultiTask, Adversarial, FreeAdversarial, DynamicWeights], ids=lambda k: k.__name__
+)
 def test_a_subclass_with_state_of_its_own_resumes_bit_exact(tmp_path: Path, kind: type[Trainer]) -> None:
     assert_resumes_exactly(tmp_path, kind, (3, 9))  # 6 steps an epoch: mid-epoch 0 and mid-epoch 1
+
+
+def test_a_restored_defaultdict_stays_one(tmp_path: Path) -> None:
+    full = make(DynamicWeights, tmp_path / "full")
+    full.train()
+    resumed = make(DynamicWeights, tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-9"))
+    assert isinstance(resumed.history, defaultdict) and resumed.history == full.history
 
 
 def test_with_accumulation_and_a_resume_of_a_resume(tmp_path: Path) -> None:
@@ -164,9 +216,24 @@ class KeepsAHistory(Adversarial):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
-def test_state_a_checkpoint_cannot_hold_is_named_in_a_warning(tmp_path: Path) -> None:
-    trainer = make(KeepsAHistory, tmp_path, max_steps=3)
-    with pytest.warns(UserWarning, match=r"KeepsAHistory\.seen \(a set\).*not be restored"):
+class PullsAnAuxiliaryTask(Adversarial):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.aux = iter(range(1000))
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        next(self.aux)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [(KeepsAHistory, r"KeepsAHistory\.seen \(a set\)"),
+     (PullsAnAuxiliaryTask, r"PullsAnAuxiliaryTask\.aux \(a range_iterator\)")],
+)  # fmt: skip
+def test_state_a_checkpoint_cannot_hold_is_named_in_a_warning(tmp_path: Path, kind: type[Trainer], named: str) -> None:
+    trainer = make(kind, tmp_path, max_steps=3)
+    with pytest.warns(UserWarning, match=named + ".*not be restored"):
         trainer.train()
 
 

@@ -9,19 +9,21 @@ one. This plugin saves, for each named attribute:
 * a tensor, or a module's parameters and buffers: when the optimizer trains one of them, or they changed
   since the run started (each tensor's version counter and storage: in-place writes), so a frozen teacher
   costs the checkpoint nothing; the model's own modules are the model's checkpoint, not this one's;
-* a number, string, None, or a list / tuple / dict of those: when it changed since the run started;
+* a number, string, None, or a list / tuple / dict of those: when it changed since the run started (a
+  dict or list is filled in place on restore: a ``defaultdict`` stays one);
 * an object with ``state_dict`` / ``load_state_dict`` (an EMA helper, a second optimizer): its state;
 * another object: the generators found in it (``data/generators.py``).
 
 A restored attribute is saved at every later checkpoint. What a checkpoint cannot hold (a set, a list
-of tensors, a deque) is named in a warning once, at the first save: it will not be restored.
+of tensors, a deque, an iterator's position) is named in a warning once, at the first save: it will not
+be restored.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -139,8 +141,11 @@ class AttributeState(Plugin):
         generators = find_generators({name: value})
         if generators:
             return {"kind": "generators", "value": {path: generator_state(g) for path, g in generators.items()}}
-        if isinstance(value, list | tuple | dict | set | frozenset) or type(value).__module__ == "collections":
-            self._warn(name, value)
+        if (
+            isinstance(value, list | tuple | dict | set | frozenset | Iterator)
+            or type(value).__module__ == "collections"
+        ):
+            self._warn(name, value)  # a container of other things, or an iterator's position
         return None
 
     def _stateful(self, name: str, value: Any) -> dict[str, Any] | None:
@@ -164,6 +169,11 @@ class AttributeState(Plugin):
             )
 
     # -- load ----------------------------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        model = getattr(getattr(self, "_engine", None), "model", None)
+        parameter = next(model.parameters(), None) if model is not None else None
+        return parameter.device if parameter is not None else torch.device("cpu")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         attributes = state.get("attributes", {})
         for name, entry in attributes.items():
@@ -173,15 +183,18 @@ class AttributeState(Plugin):
     def _restore(self, name: str, kind: str, value: Any) -> None:
         current = getattr(self.owner, name, None)
         if kind == "value":
-            setattr(self.owner, name, value)
+            _set_value(self.owner, name, current, value)
         elif kind == "generator":
             if isinstance(current, KINDS):
                 set_generator_state(current, value)
             else:
                 restore_generators({"owner": self.owner}, {f"owner.{name}": value})
-        elif kind == "tensor" and isinstance(current, torch.Tensor):
-            with torch.no_grad():
-                current.copy_(value)
+        elif kind == "tensor":
+            if isinstance(current, torch.Tensor) and current.shape == value.shape:
+                with torch.no_grad():
+                    current.copy_(value)
+            else:  # made or replaced during the run (a perturbation kept from step to step)
+                setattr(self.owner, name, value.to(self._device()))
         elif (kind == "module" and isinstance(current, torch.nn.Module)) or (
             kind == "state_dict" and current is not None
         ):
@@ -193,3 +206,14 @@ class AttributeState(Plugin):
                 f"the checkpoint holds {self.label}.{name} as a {kind}, but this {self.label} has "
                 f"{type(current).__name__} there: build it as the run that wrote the checkpoint did"
             )
+
+
+def _set_value(owner: Any, name: str, current: Any, value: Any) -> None:
+    """Set a plain value; a dict or list already there is filled in place (a ``defaultdict`` stays one)."""
+    if isinstance(current, dict) and isinstance(value, dict):
+        current.clear()
+        current.update(value)
+    elif isinstance(current, list) and isinstance(value, list):
+        current[:] = value
+    else:
+        setattr(owner, name, value)
