@@ -39,7 +39,10 @@ def check_best_model(args: Any) -> None:
     if args.greater_is_better is None and args.metric_for_best_model is not None:
         args.greater_is_better = not args.metric_for_best_model.endswith("loss")
     if args.save_strategy == SaveStrategy.BEST and args.metric_for_best_model is None:
-        raise ConfigError("save_strategy='best' needs metric_for_best_model (e.g. 'loss' or 'accuracy')")
+        raise ConfigError(  # transformers' words first: scripts and tests match them
+            "`args.metric_for_best_model` must be provided when using 'best' save_strategy: "
+            "save_strategy='best' saves when that metric improves (e.g. metric_for_best_model='loss' or 'accuracy')"
+        )
     if not args.load_best_model_at_end or args.save_strategy == SaveStrategy.BEST:
         return
     if args.eval_strategy == IntervalStrategy.NO:

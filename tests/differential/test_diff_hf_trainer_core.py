@@ -162,3 +162,19 @@ def test_bitsandbytes_optim_missing__mirrors_test_bnb_not_available(tmp_path, na
 
     hf, tb = run_both(scenario, tmp_path)
     assert hf and tb
+
+
+def test_save_best_without_metric__mirrors_test_metric_for_best_model_behavior(tmp_path):
+    """save_strategy="best" with no metric_for_best_model: a ValueError in transformers' words (its test matches
+    them), whether it comes from the arguments (trainbus) or the Trainer (transformers)."""
+
+    def scenario(impl, d):
+        with pytest.raises(ValueError) as info:
+            kwargs = {"eval_strategy": "epoch", "save_strategy": "best"}
+            _trainer(impl, d, RegressionData(length=8), **kwargs)
+        return str(info.value)
+
+    hf, tb = run_both(scenario, tmp_path)
+    words = "`args.metric_for_best_model` must be provided when using 'best' save_strategy"
+    assert words in hf
+    assert words in tb
