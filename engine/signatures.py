@@ -72,10 +72,16 @@ def check_hook(hook: str, fn: Any, source: str) -> None:
     """Raise ConfigError when ``fn`` cannot serve ``hook``; ``source`` says where it came from, as
     "the wrapper from MixedPrecision returned" or "set_hook / Hooks(...) gave"."""
     if not callable(fn):
-        raise ConfigError(f"hook {hook!r} must be a function callable as {hook_call(hook)}; {source} gave {fn!r}")
+        raise ConfigError(f"hook {hook!r} must be a function callable as {hook_call(hook)}; {source} {fn!r:.80}")
     refusal = _refusal(fn, len(HOOK_CALLS[hook]))
     if refusal is not None:
         raise ConfigError(f"hook {hook!r} is called as {hook_call(hook)}; {source} {refusal}")
+
+
+def check_hooks(hooks: Any, source: str = "Hooks(...) gave") -> None:
+    """Check every field of a ``trainbus.hooks.Hooks`` (what an Engine is given), as ``check_hook`` does."""
+    for hook in HOOK_CALLS:
+        check_hook(hook, getattr(hooks, hook), source)
 
 
 def check_wrapper(hook: str, wrapper: Any, owner: str | None) -> None:
@@ -89,4 +95,6 @@ def check_wrapper(hook: str, wrapper: Any, owner: str | None) -> None:
         )
 
 
-__all__ = ["HOOK_CALLS", "check_handler", "check_hook", "check_wrapper", "describe_callable", "hook_call"]
+__all__ = [
+    "HOOK_CALLS", "check_handler", "check_hook", "check_hooks", "check_wrapper", "describe_callable", "hook_call",
+]  # fmt: skip

@@ -123,3 +123,15 @@ def test_callables_without_a_signature_and_flexible_ones_are_accepted() -> None:
     engine.on(Event.STEP_END, lambda ev, extra=1: None)
     engine.set_hook("optimizer_step", lambda optimizer, *rest: optimizer.step())
     assert len(engine.describe()["STEP_END"]) == 3
+
+
+@pytest.mark.parametrize("field", list(HOOK_CALLS))
+def test_a_hook_that_is_not_a_function_is_named_once(field: str) -> None:
+    from trainbus.engine.signatures import check_hooks
+
+    with pytest.raises(ConfigError, match=rf"hook '{field}' must be a function callable as {field}\(.*; "
+                                          r"Hooks\(\.\.\.\) gave 'x'$"):  # fmt: skip
+        check_hooks(Hooks(**{field: "x"}))
+    if field != "compute_loss":  # the Engine's own loss_fn replaces compute_loss (engine/loop.py checks that pair)
+        with pytest.raises(ConfigError, match=rf"hook '{field}' must be a function .*; set_hook / Hooks\(\.\.\.\) gave 'x'"):
+            Engine(torch.nn.Linear(1, 1), hooks=Hooks(**{field: "x"}), loss_fn=torch.nn.MSELoss())
