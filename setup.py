@@ -101,6 +101,8 @@ def _fill(folder, links, folders):
         os.makedirs(os.path.join(folder, sub), exist_ok=True)
         for entry in os.listdir(os.path.join(folder, sub)):  # a module deleted from the repository
             path = os.path.join(folder, sub, entry)
+            if ".tmp-" in entry:  # another process's link about to be renamed into place (or a killed one's)
+                continue
             if os.path.relpath(path, folder) not in links and os.path.islink(path):
                 try:
                     os.unlink(path)
