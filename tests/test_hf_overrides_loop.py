@@ -101,6 +101,17 @@ class HalfClip:
         return 2 * float(super()._get_grad_norm(model, grad_norm=grad_norm))
 
 
+class CountedFlos:
+    """Counts 1000 FLOs a sample and adds a million at every store: total_flos tells how often store_flos ran."""
+
+    def floating_point_ops(self: Any, inputs: dict[str, Any]) -> int:
+        return 1000 * int(inputs["x"].shape[0])
+
+    def store_flos(self: Any) -> None:
+        super().store_flos()
+        self.state.total_flos += 1_000_000
+
+
 class PassThrough:
     """Only super(): transformers' body as trainbus does it."""
 
@@ -170,6 +181,8 @@ SUBCLASSES = {
     "super() only, a NaN loss filtered": (PassThrough, {"poisoned": True}),
     "super() only, unfiltered": (PassThrough, {"logging_nan_inf_filter": False, "logging_first_step": True}),
     "learning rate": (FixedRate, {}),
+    "flos": (CountedFlos, {}),
+    "flos, copied body": (type("CopiedFlos", (CopiedBody, CountedFlos), {}), {}),
     "clipping": (HalfClip, {}),
 }
 

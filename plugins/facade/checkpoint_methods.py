@@ -74,6 +74,7 @@ class TrainerCheckpointing:
         write, self._checkpoint_write = self._checkpoint_write, None
         record_callback_states(self)
         if write is None:  # a direct call, not the plugin's save: write one now, as the plugin would
+            self.store_flos()  # type: ignore[attr-defined]  # the plugin's SAVE stores them first (transformers' order)
             plugin = _checkpointing(self)
             write = lambda: plugin.write(self)  # noqa: E731
         write()

@@ -256,7 +256,7 @@ def distributed_plugin(args: TrainingArguments) -> Distributed | None:
 def flo_counter(trainer: Any) -> FloCounter | None:
     """The Trainer's FloCounter when there is an estimate to count (HF counts for transformers models): the
     model's own ``floating_point_ops`` or ``num_parameters``, or a subclass's ``floating_point_ops``."""
-    if has_flos_estimate(trainer.model) or trainer.overrides("floating_point_ops"):
+    if has_flos_estimate(trainer.model) or trainer.overrides("floating_point_ops") or trainer.overrides("store_flos"):
         return trainer.flo_counter  # type: ignore[no-any-return]
     return None
 

@@ -72,6 +72,8 @@ HONOURED: dict[str, str] = {
     "_get_learning_rate": "every optimizer step, before the scheduler moves; the learning_rate logged is its value",
     "_clip_grad_norm": "every optimizer step with max_grad_norm > 0, after the gradients are unscaled (its norm goes "
     "to _get_grad_norm)",
+    "store_flos": "every training log, every checkpoint save and the end of training (the FloCounter plugin moves "
+    "the count into state.total_flos through it)",
     "_get_grad_norm": "every optimizer step, after _clip_grad_norm; the grad_norm logged (and given to "
     "_maybe_log_save_evaluate) is its value",
 }
@@ -123,7 +125,6 @@ REFUSED: dict[str, str] = {
     "get_total_train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps (the engine plans "
     "the run)",
     "num_examples": _DATA,
-    "store_flos": "floating_point_ops (total_flos is summed by the FloCounter plugin)",
     "_update_auto_batch_size": "auto_find_batch_size",
     # data loading internals
     "_prepare_context_parallel_inputs": "trainbus has no context parallelism",

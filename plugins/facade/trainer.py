@@ -61,7 +61,7 @@ from .step_hooks import TrainerStepHooks
 from .subclass_surface import MemoryTracker, TrainerInternals
 from .trainer_checks import check_eval_set, check_model, check_train_kwargs, check_trainer_arguments, model_from_init
 from .trainer_processes import TrainerProcesses
-from .utilities import TrainerUtilities
+from .utilities import FlosThroughTrainer, TrainerUtilities
 
 
 class Trainer(
@@ -125,7 +125,7 @@ class Trainer(
         check_sharded_overrides(type(self), args)
         check_trainer_arguments(model, model_init, optimizers, optimizer_cls_and_kwargs, data_collator)  # HF's types
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
-        self.flo_counter = FloCounter(self.floating_point_ops)  # a subclass's floating_point_ops counts (HF)
+        self.flo_counter = (FlosThroughTrainer if self.overrides("store_flos") else FloCounter)(self.floating_point_ops)
         self.memory_metrics = None if args.skip_memory_metrics else MemoryMetrics()
         self._memory_tracker = MemoryTracker(self.memory_metrics)  # HF's, for subclasses copying its bodies
         self._memory_tracker.start()  # HF measures the constructor as the "init" stage

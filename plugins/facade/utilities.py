@@ -248,6 +248,20 @@ class TrainerUtilities:
         return bool(self.args.local_process_index == 0)
 
 
+class FlosThroughTrainer(FloCounter):
+    """The FloCounter of a Trainer whose subclass overrides ``store_flos``: the count moves into ``state.total_flos``
+    through that method, where transformers calls it (each training log, each checkpoint, the end of training;
+    not the logs of an evaluation or of the train summary). Trainer's own ``store_flos`` is ``FloCounter.store``."""
+
+    def __init__(self, flos_of: Any) -> None:
+        super().__init__(flos_of)
+        self.name = "FloCounter"  # its handlers' names and checkpoint key are the counter's
+
+    def store_handler(self, ev: Any) -> None:
+        if getattr(ev, "window", True):  # a LOG only at a training logging point
+            ev.engine.store_flos()
+
+
 def format_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """HF's ``metrics_format``: memory in MB, runtimes as h:mm:ss, total_flos in GF, floats to 4 places."""
     shown: dict[str, Any] = {}
