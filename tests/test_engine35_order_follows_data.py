@@ -22,14 +22,6 @@ def noop(ev: Any) -> None:
     pass
 
 
-#: until the plugins' owners land their declarations (asked in /tmp/team/NOTES.md): TrainLogger reads metrics at
-#: EVAL_END in DEFAULT after "*" (observability/logging.py); EvalCollector declares it writes them (collector.py)
-PENDING_LOGGER = pytest.mark.xfail(
-    "eval_end" not in TrainLogger.reads, strict=True, reason="TrainLogger's EVAL_END declaration not landed yet"
-)
-PENDING_COLLECTOR = pytest.mark.xfail(
-    "eval_end" not in EvalCollector.writes, strict=True, reason="EvalCollector's writes declaration not landed yet"
-)
 
 
 @settings(max_examples=60, deadline=None)
@@ -75,7 +67,6 @@ def test_a_field_the_payload_lacks_is_refused_naming_the_fields() -> None:
         EventBus().on(Event.EVAL_END, noop, reads="metric")
 
 
-@PENDING_COLLECTOR
 def test_a_plugin_declares_per_method_and_the_declaration_orders_it() -> None:
     class Derived(Plugin):
         reads: ClassVar[dict[str, str]] = {"eval_end": "metrics.eval_loss"}
@@ -104,7 +95,6 @@ def issue_engine(plugins: list[Plugin]) -> Engine:
 TIMING = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
 
 
-@PENDING_LOGGER
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3))), ids=str)
 def test_the_issues_composition_logs_its_evaluation_in_every_order(order: tuple[int, ...]) -> None:
     made = [TrainLogger(), EvalCollector(), IgniteMetrics({"accuracy": Accuracy()})]
@@ -119,7 +109,6 @@ def test_the_issues_composition_logs_its_evaluation_in_every_order(order: tuple[
     }  # fmt: skip
 
 
-@PENDING_LOGGER
 def test_a_writer_after_the_logger_is_refused_naming_both() -> None:
     engine = issue_engine([TrainLogger(), EvalCollector()])
     with pytest.raises(ConfigError, match=r"'late' writes 'metrics', which 'TrainLogger.eval_end' reads"):
