@@ -95,6 +95,7 @@ class EventType(Generic[P]):
     made once, at module level: ``name`` an identifier no other event has (``event_by_name`` and the
     string form ``engine.on("SPIKE", fn)`` find it), ``PayloadClass`` a dataclass subclass of
     ``Payload`` (its first field is the engine). The index, the bus's slot, is assigned: pass none.
+    Making it again with the same name and payload class gives the same event.
 
     - Fire it with ``engine.fire(EVENT, PayloadClass(engine, ...))`` (``ev.engine.fire`` in a handler),
       from a handler, a hook or your own code; its handlers run at once, in order, and ``fire``
@@ -151,7 +152,20 @@ class EventType(Generic[P]):
 
     __slots__ = ("index", "name", "payload_type")
 
+    def __new__(cls, name: str, payload_type: type[P], index: int | None = None) -> EventType[P]:
+        existing = _BY_NAME.get(name)
+        if (
+            existing is not None
+            and existing not in _BUILT_IN
+            and existing.payload_type is payload_type
+            and index in (None, existing.index)
+        ):
+            return existing  # the same event again (made inline in on() and in fire()): one event, one slot
+        return super().__new__(cls)
+
     def __init__(self, name: str, payload_type: type[P], index: int | None = None) -> None:
+        if getattr(self, "name", None) is not None:
+            return  # __new__ returned the event already made
         self.name = name
         self.payload_type = payload_type
         self.index = _register(self, index)

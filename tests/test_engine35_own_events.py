@@ -168,3 +168,13 @@ def test_the_fire_doctest() -> None:
     from trainbus.engine import assembly
 
     assert doctest.testmod(assembly).failed == 0
+
+
+def test_the_issues_inline_spelling_gives_one_event() -> None:
+    """``engine.on(EventType("SPIKE", SpikeEvent, 20), fn)`` and a fire with another ``EventType(...)`` of the same
+    name and payload class reach the same handlers: making an event again gives the same object."""
+    engine = Engine(torch.nn.Linear(1, 1))
+    seen: list[float] = []
+    engine.on(EventType("SPIKE", SpikeEvent, SPIKE.index), lambda ev: seen.append(ev.loss))
+    engine.fire(EventType("SPIKE", SpikeEvent), SpikeEvent(engine, 3.0, 1))
+    assert seen == [3.0] and EventType("SPIKE", SpikeEvent) is SPIKE
