@@ -252,3 +252,24 @@ def test_without_an_override_nothing_is_added(tmp_path: Path) -> None:
     subclass = type("WithOverride", (OwnMetric, Trainer), {})(Regressor(), args, train_dataset=_data(4))
     assert type(subclass.train_logger) is StepEndLogger and subclass.train_logger.name == "TrainLogger"
     assert subclass.get_plugin(LogSaveEvaluate) is not None
+
+
+def test_on_two_processes_the_loss_logged_is_one_process_s(tmp_path: Path) -> None:
+    """super() averages tr_loss over the processes: 2 processes x batch 4 log what 1 process x batch 8 logs
+    (float32 tr_loss, as transformers', so to float32's precision)."""
+    from dist_helpers import launch_job, results, untimed
+
+    jobs = Path(__file__).with_name("hf_overrides_loop_jobs.py")
+    launch_job(jobs, "override", tmp_path / "one", 1)
+    launch_job(jobs, "override", tmp_path / "two", 2)
+    one, ranks = results(tmp_path / "one", "override"), [results(tmp_path / "two", "override", r) for r in (0, 1)]
+    expected = untimed(one["log_history"])
+    assert any("lr_x_1000" in record for record in expected) and one["checkpoints"]
+    for rank in ranks:
+        assert rank["checkpoints"] == one["checkpoints"]
+        got = untimed(rank["log_history"])
+        assert [sorted(r) for r in got] == [sorted(r) for r in expected]
+        for mine, theirs in zip(got, expected, strict=True):
+            for key, value in theirs.items():
+                assert mine[key] == pytest.approx(value, rel=1e-6), (key, theirs, mine)
+        assert rank["training_loss"] == pytest.approx(one["training_loss"], rel=1e-6)
