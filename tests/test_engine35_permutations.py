@@ -179,9 +179,21 @@ def test_every_permutation_of_an_engine_composition_gives_the_same_run(name: str
     permuted()
 
 
-def trainer_run(out: Path, order: Sequence[int] | None, monkeypatch: Any) -> tuple[dict[str, Any], int]:
+#: TrainingArguments beyond the default Trainer's: the docs' SETUP, then the best model, a schedule, bf16, eval on start
+TRAINER_EXTRAS = {
+    "setup": {},
+    "best_bf16_schedule": {
+        "load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "lr_scheduler_type": "cosine",
+        "warmup_ratio": 0.2, "weight_decay": 0.1, "bf16": True, "eval_on_start": True,
+    },
+}  # fmt: skip
+
+
+def trainer_run(
+    out: Path, order: Sequence[int] | None, monkeypatch: Any, extra: dict[str, Any]
+) -> tuple[dict[str, Any], int]:
     """The default Trainer (evaluation, saving, logging every 2 steps, accumulation, clipping, metrics,
-    the JSONL sink), its built plugin list permuted by ``order``."""
+    the JSONL sink; ``extra`` arguments), its built plugin list permuted by ``order``."""
     from facade_helpers import Regressor, regression_data
 
     from trainbus.plugins import Trainer, TrainingArguments
@@ -199,7 +211,7 @@ def trainer_run(out: Path, order: Sequence[int] | None, monkeypatch: Any) -> tup
     args = TrainingArguments(
         str(out), eval_strategy="steps", save_strategy="steps", logging_steps=2, eval_steps=2, save_steps=2,
         max_grad_norm=1.0, gradient_accumulation_steps=2, num_train_epochs=2, per_device_train_batch_size=2,
-        report_to="none", disable_tqdm=True, use_cpu=True, seed=0, save_total_limit=2,
+        report_to="none", disable_tqdm=True, use_cpu=True, seed=0, save_total_limit=2, **extra,
     )  # fmt: skip
     torch.manual_seed(0)
     trainer = Trainer(Regressor(), args, train_dataset=regression_data(12), eval_dataset=regression_data(6, seed=1),
@@ -213,17 +225,19 @@ def trainer_run(out: Path, order: Sequence[int] | None, monkeypatch: Any) -> tup
     return found, count[0]
 
 
+@pytest.mark.parametrize("config", list(TRAINER_EXTRAS))
 def test_every_permutation_of_the_default_trainers_composition_gives_the_same_run(
-    tmp_path_factory: Any, monkeypatch: pytest.MonkeyPatch
+    config: str, tmp_path_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference, size = trainer_run(tmp_path_factory.mktemp("reference"), None, monkeypatch)
+    extra = TRAINER_EXTRAS[config]
+    reference, size = trainer_run(tmp_path_factory.mktemp("reference"), None, monkeypatch, extra)
     assert size >= 8  # the composition SETUP in docs/events.md has this many built plugins
 
     @settings(max_examples=8, deadline=None)
     @given(st.permutations(range(size)))
     def permuted(order: list[int]) -> None:
         with pytest.MonkeyPatch.context() as patch:
-            got, _ = trainer_run(tmp_path_factory.mktemp("permuted"), order, patch)
+            got, _ = trainer_run(tmp_path_factory.mktemp("permuted"), order, patch, extra)
         assert got.keys() == reference.keys(), sorted(set(got) ^ set(reference))
         for key in reference:
             assert got[key] == reference[key], f"{key} differs in plugin order {order}"
