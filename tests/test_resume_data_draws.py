@@ -201,7 +201,7 @@ def resumed_equals_uninterrupted(
 EACH = [("torch", 2, False), ("numpy", 2, False), ("random-worker-init", 2, False), ("torch", 2, True),
         ("own-generator", 0, False), ("own-generator", 2, False), ("iterable-own-generator", 0, False),
         ("iterable-own-generator", 2, False), ("iterable-torch", 0, False), ("iterable-torch", 2, False),
-        ("collator", 0, False), ("sampler", 0, False)]  # fmt: skip
+        ("collator", 0, False), ("collator", 1, False), ("collator", 2, True), ("sampler", 0, False)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("shape", "workers", "persistent"), EACH)
@@ -228,23 +228,30 @@ def test_any_loader_shape_resumes_bit_exact_from_any_step(
 
 def unreplayable(shape: str, workers: int, persistent: bool) -> bool:
     """The shapes the data plugin says it cannot replay (each named in a warning: tested below)."""
-    return workers > 0 and ((shape.startswith("iterable") and persistent) or shape == "collator")
+    return workers > 0 and shape.startswith("iterable") and persistent
+
+
+class LoaderSubclass(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader subclass: the data plugin iterates it as it is (no seeded twin)."""
 
 
 @pytest.mark.parametrize(
-    ("shape", "persistent", "named"),
-    [("collator", False, "collate_fn MaskingCollator makes its own random generator in each worker"),
-     ("iterable-own-generator", True, "iterable dataset IterableOwnGenerator is read by persistent workers")],
+    ("loader", "named"),
+    [(lambda: make_loader("iterable-own-generator", 1, True, 3),
+      "iterable dataset IterableOwnGenerator is read by persistent workers"),
+     (lambda: LoaderSubclass(TorchAugmented(), batch_size=3, num_workers=1),
+      "train loader is a LoaderSubclass .a DataLoader subclass., whose workers' batches cannot be seeded")],
+    ids=["iterable-persistent", "loader-subclass"],
 )  # fmt: skip
 def test_what_workers_cannot_draw_again_is_named_when_the_loader_is_attached(
-    tmp_path: Path, shape: str, persistent: bool, named: str
+    tmp_path: Path, loader: Any, named: str
 ) -> None:
     with pytest.warns(UserWarning, match=named + ".*will not reproduce the uninterrupted run"):
-        make_engine(tmp_path, make_loader(shape, 1, persistent, 3))
+        make_engine(tmp_path, loader())
 
 
 def test_loaders_that_resume_exactly_attach_quietly(tmp_path: Path) -> None:
-    for shape, workers, persistent in (("torch", 2, True), ("collator", 0, False), ("sampler", 0, False),
+    for shape, workers, persistent in (("torch", 2, True), ("collator", 2, False), ("sampler", 0, False),
                                        ("iterable-own-generator", 2, False), ("own-generator", 1, True)):  # fmt: skip
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -288,11 +295,15 @@ def test_transformers_masked_lm_collator_with_a_seed_resumes_bit_exact(tmp_path:
             assert torch.equal(a, b), f"resumed from checkpoint-{step}"
 
 
-def test_the_trainer_names_a_seeded_collator_its_workers_cannot_draw_again(tmp_path: Path) -> None:
-    """The Trainer's loader wraps the collator (unused columns): the warning looks inside the wrapper."""
-    trainer = masked_lm_trainer(tmp_path, max_steps=1, save_strategy="no", dataloader_num_workers=1)
-    with pytest.warns(UserWarning, match="DataCollatorForLanguageModeling makes its own random generator in each"):
-        trainer.train()
+def test_transformers_masked_lm_collator_with_a_seed_in_workers_resumes_bit_exact(tmp_path: Path) -> None:
+    """In each worker it makes its generator at its first call (seed + the worker's id): made before the first
+    batch's draws there, then seeded from each batch, as every later one (the collator wrapped by the Trainer)."""
+    full = masked_lm_trainer(tmp_path / "full", dataloader_num_workers=2)
+    full.train()
+    resumed = masked_lm_trainer(tmp_path / "resumed", dataloader_num_workers=2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))  # mid-epoch 0, odd: workers swap
+    for a, b in zip(full.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_checkpoint_sets_no_generator_where_an_object_makes_none() -> None:

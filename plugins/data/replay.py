@@ -38,7 +38,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from .generators import find_generators, generator_state, lazy_generator_owners, set_generator_state
+from .generators import find_generators, generator_state, set_generator_state
 from .rng import rng_state, same_rng_state, set_rng_state
 from .seeded import SeededBatches, fetched_dataset
 
@@ -301,10 +301,10 @@ def warn_unless_replayable(data: Any) -> None:
 def worker_problems(data: Any) -> list[str]:
     """What a resume cannot draw again in ``data``'s worker processes (none in the main process).
 
-    Each batch a map-style dataset's workers load is seeded on its own (``seeded.py``). Not so:
-    an iterable dataset's persistent workers (their generators go on from epoch to epoch in processes
-    a resumed run starts again), and an object that makes a generator of its own at its first call in
-    each worker, seeded by the worker's id (transformers' collators with a ``seed``).
+    Each batch a map-style dataset's workers load is seeded on its own (``seeded.py``), generators a
+    dataset or collator makes at its first call in each worker included. Not so: an iterable dataset's
+    persistent workers (their generators go on from epoch to epoch in processes a resumed run starts
+    again), and a DataLoader subclass (its batches are not fetched through ``SeededBatches``).
     """
     if not isinstance(data, DataLoader) or data.num_workers == 0:
         return []
@@ -320,12 +320,5 @@ def worker_problems(data: Any) -> list[str]:
             f"the train loader is a {type(data).__name__} (a DataLoader subclass), whose workers' batches cannot be "
             "seeded one by one: if its dataset or collator draws random numbers, a resumed epoch deals the "
             "remaining batches to workers that loaded others before, and draws differ (pass a torch DataLoader)"
-        )
-    for path, owner in lazy_generator_owners({"collate_fn": data.collate_fn, "dataset": data.dataset}):
-        problems.append(
-            f"the loader's {path} {type(owner).__name__} makes its own random generator in each worker at its "
-            "first call, seeded by the worker's id: which batches a worker gets changes on a resume, and so "
-            "do its draws (load in the main process, num_workers=0, or give it seed=None: draws from the "
-            "global generators are seeded per batch)"
         )
     return problems

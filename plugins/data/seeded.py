@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import random
 from typing import Any
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .generators import find_generators, reseed
+from .generators import find_generators, lazy_generator_owners, reseed
 
 __all__ = ["SeededBatches", "SeededDatasetLoader", "epoch_key", "fetched_dataset", "seeded_loader"]
 
@@ -30,7 +31,8 @@ class SeededBatches(Dataset[Any]):
 
     Generators of their own that the dataset or ``collator`` (the loader's ``collate_fn``, which runs in
     the same worker right after) keep are seeded per batch as well, each from the batch's seed and its
-    path (``generators.py``).
+    path (``generators.py``); one they make at their first call in a process (transformers' collators
+    with a ``seed``) is made before the batch's draws, then seeded the same way.
     """
 
     def __init__(self, dataset: Any, seed: int, collator: Any = None) -> None:
@@ -53,20 +55,53 @@ class SeededBatches(Dataset[Any]):
         return self.dataset[index]
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
-        if torch.utils.data.get_worker_info() is not None:
-            seed = _batch_seed(self.seed, self.epoch, indices)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
-            for path, generator in find_generators({"dataset": self.dataset, "collate_fn": self.collator}).items():
-                reseed(generator, _batch_seed(seed, 0, [], path))
+        if torch.utils.data.get_worker_info() is None:
+            return self._fetch(indices)
+        seed = _batch_seed(self.seed, self.epoch, indices)
+        roots = {"dataset": self.dataset, "collate_fn": self.collator}
+        _seed_all(seed, roots)
+        lazy = len(lazy_generator_owners({"dataset": self.dataset}))
+        items = self._fetch(indices)
+        if lazy and len(lazy_generator_owners({"dataset": self.dataset})) < lazy:
+            _seed_all(seed, roots)  # it made a generator while loading: made again from the batch's seed
+            items = self._fetch(indices)
+        if self.collator is not None and lazy_generator_owners({"collate_fn": self.collator}):
+            self._make_collator_generators(items, seed)
+        return items
+
+    def _fetch(self, indices: list[int]) -> list[Any]:
         getitems = getattr(self.dataset, "__getitems__", None)
         return list(getitems(indices)) if callable(getitems) else [self.dataset[i] for i in indices]
+
+    def _make_collator_generators(self, items: list[Any], seed: int) -> None:
+        """A collator that makes its generator at its first call in a process (transformers', with a ``seed``)
+        is called once on a copy of the batch, its draws put back, so that it has made it; then it is seeded
+        from the batch, as it is for every later batch in this worker."""
+        state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        try:
+            self.collator(copy.deepcopy(items))
+        except Exception:  # the real call reports it; this one only made the generator
+            pass
+        finally:
+            random.setstate(state[0])
+            np.random.set_state(state[1])
+            torch.set_rng_state(state[2])
+        for path, generator in find_generators({"collate_fn": self.collator}).items():
+            reseed(generator, _batch_seed(seed, 0, [], path))
 
     def __getattr__(self, name: str) -> Any:  # column_names, features, ...: the wrapped dataset's
         if name in ("dataset", "_epoch", "collator"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+
+def _seed_all(seed: int, roots: dict[str, Any]) -> None:
+    """Seed this worker's global generators, and the roots' own (each from ``seed`` and its path)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    for path, generator in find_generators(roots).items():
+        reseed(generator, _batch_seed(seed, 0, [], path))
 
 
 def _batch_seed(seed: int, epoch: int, indices: list[int], path: str = "") -> int:
