@@ -88,6 +88,8 @@ def test_a_buffer_may_hold_minus_infinity_never_nan() -> None:
         "bias": torch.zeros(2, dtype=torch.bfloat16),
     }  # finite, sum overflows fp32
     check_finite(big, "here", model.state_dict(keep_vars=True))
+    half = {"weight": torch.full((2, 2), 6e4, dtype=torch.float16)}  # its float16 sum overflows: values decide
+    check_finite(half, "here", model.state_dict(keep_vars=True))
 
 
 def test_epochs_completed_beyond_the_run_falls_back(run: Path) -> None:

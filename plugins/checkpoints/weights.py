@@ -165,9 +165,9 @@ def check_finite(state: Mapping[str, torch.Tensor], where: str, own: Mapping[str
     """Refuse (ConfigError) saved weights holding NaN, or a parameter holding an infinity (#37 item 7).
 
     A run that diverged saves such weights, and a run resumed from them trains on NaN without a word.
-    Buffers may hold infinities (an attention mask of -inf), never NaN. Each tensor costs one float64
-    sum (NaN and infinities survive it, no finite sum of float32 values overflows float64) and no copy;
-    only a tensor whose sum is not finite is counted value by value. With ``TRAINBUS_ALLOW_NONFINITE_WEIGHTS=1``
+    Buffers may hold infinities (an attention mask of -inf), never NaN. Each tensor costs one sum in its
+    own dtype, no copy (NaN and infinities survive a sum); only a tensor whose sum is not finite (which an
+    overflow of finite values can cause too) is counted value by value. With ``TRAINBUS_ALLOW_NONFINITE_WEIGHTS=1``
     they load, with a warning naming them.
     """
     bad = []
@@ -175,7 +175,7 @@ def check_finite(state: Mapping[str, torch.Tensor], where: str, own: Mapping[str
         if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0 or tensor.is_meta:
             continue
         values = torch.view_as_real(tensor) if tensor.is_complex() else tensor
-        if math.isfinite(torch.sum(values, dtype=torch.float64).item()):
+        if math.isfinite(torch.sum(values).item()):  # native: 3-11 GB/s on a CPU core, float64 accumulation 0.2
             continue
         nan, inf = int(torch.isnan(values).sum()), int(torch.isinf(values).sum())
         parameter = isinstance(own.get(name), torch.nn.Parameter)
