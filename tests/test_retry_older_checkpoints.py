@@ -48,10 +48,6 @@ def without_ids(root: Path) -> None:
         (checkpoint / cio.MANIFEST).write_text(json.dumps(manifest))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs RunClaim to remember that its engine's fit() started here (lineage.py, logs37's; NOTES.md)",
-)
 def test_a_retried_fit_keeps_an_older_releases_checkpoints(tmp_path: Path) -> None:
     first = make_engine(tmp_path, 8)
     first.on(Event.STEP_END, crash_at(5))

@@ -234,11 +234,14 @@ def _move_listed(root: Path, folder: Path, journal: Path) -> None:
         listed = {}  # torn as it was written: nothing was moved yet
     for name, identity in listed.items():
         path = root / name
-        if NAME.match(name) and (path.exists() or path.is_symlink()) and _identity(path) == identity:
-            os.replace(path, folder / name)
+        try:
+            if NAME.match(name) and (path.exists() or path.is_symlink()) and _identity(path) == identity:
+                os.replace(path, folder / name)
+        except FileNotFoundError:
+            continue  # moved meanwhile (only a process outside the lock could): nothing left to move
     cio.fsync_path(folder)
     cio.fsync_path(root)
-    journal.unlink()
+    journal.unlink(missing_ok=True)
     if not any(folder.iterdir()):
         folder.rmdir()  # a journal torn as it was written: nothing had moved
 

@@ -66,6 +66,7 @@ class RunClaim:
         self.lock: OutputDirLock | None = None
         self.loaded = False  # a state was loaded into the plugin since its last save (a resume)
         self.wrote = False  # this plugin saved since it was loaded or started fresh
+        self.ran = False  # a fit() of this plugin's engine started here (its run owns output_dir's checkpoints)
         self.expected: Any = UNSET  # the resume_from_checkpoint a caller announced (claim_run)
         self.resume_true = ENGINE_RESUME_TRUE  # how its messages say "resume the newest": the caller's words
 
@@ -99,6 +100,7 @@ class RunClaim:
             self.release()
             raise ConfigError(error)
         engine.state.run_id = identity  # every rank: the id rank 0's checkpoints and logs carry
+        self.ran = True
         if new:
             self.wrote = False
         return bool(new)
@@ -121,8 +123,8 @@ class RunClaim:
         # checkpoints without an id (an older release's), the others this run's: judged as before, conservatively
         if told:
             return False  # the caller resumed one of output_dir's own checkpoints
-        if self.wrote and not self.loaded:
-            return False  # this engine going on after its own fit()
+        if (self.wrote or self.ran) and not self.loaded:
+            return False  # this engine going on after its own fit(), also one that failed before it saved
         return not holds_state(self.output_dir / f"{PREFIX}{engine.state.global_step}", engine)
 
     def release(self) -> None:

@@ -227,7 +227,7 @@ def _apply_weights(engine: Engine, loaded: Loaded, verify: bool) -> None:
     # the facade: a subclass's _load_from_checkpoint runs, its super() applying the verified weights
     around = getattr(engine, "around_checkpoint_weights", None)
     around(directory, apply_weights) if callable(around) else apply_weights()
-    loaded.weights = None  # views of the mapped file: unmapped now
+    loaded.weights = weights = None  # views of the mapped file: unmapped now (a frame kept alive keeps no view)
 
 
 class _Undo:
