@@ -85,6 +85,20 @@ def handler_name(fn: Callable[..., Any]) -> str:
     return str(getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", repr(fn)))
 
 
+def _event_and_filter(event: EventType[P] | FilteredEvent[P] | str) -> tuple[EventType[P], EventFilter | None]:
+    """What ``on`` was given, as the event and its filter (None without one); an event name is looked up."""
+    if isinstance(event, str):
+        event = event_by_name(event)
+    if isinstance(event, FilteredEvent):
+        return event.event, event.filter
+    if not isinstance(event, EventType):
+        raise ConfigError(
+            f"cannot register a handler for {event!r}: expected an Event (one of {', '.join(Event.BY_NAME)}) "
+            "or an event of your own, EventType(name, PayloadClass)"
+        )
+    return event, None
+
+
 class EventBus:
     """Holds handlers per event and dispatches payloads to them.
 
@@ -148,17 +162,7 @@ class EventBus:
         ``payload.error``. Restoring weights, closing files and releasing memory are cleanup; work that
         needs a finished block (metrics of a complete pass, loading the best model) is not.
         """
-        flt: EventFilter | None = None
-        if isinstance(event, str):
-            event = event_by_name(event)
-        if isinstance(event, FilteredEvent):
-            flt = event.filter
-            event = event.event
-        if not isinstance(event, EventType):
-            raise ConfigError(
-                f"cannot register a handler for {event!r}: expected an Event (one of {', '.join(Event.BY_NAME)}) "
-                "or an event of your own, EventType(name, PayloadClass)"
-            )
+        event, flt = _event_and_filter(event)
         if not callable(handler):
             raise ConfigError(f"handler for {event.name} must be callable, got {handler!r}")
         check_handler(event, handler, name or handler_name(handler))  # once here, never per event
