@@ -79,9 +79,10 @@ def choose_and_read(
         found = checkpoint_dirs(root)  # this run's: never an earlier run's set aside in previous-runs
         if not found:
             seen = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-            raise ConfigError(
-                f"resuming from True: no complete checkpoint (checkpoint-N with a valid {cio.MANIFEST}) "
-                f"in {root}; found: {seen or 'nothing'}{_set_aside_hint(root)}"
+            raise ConfigError(  # opening with transformers' words (scripts and its tests look for them)
+                f"No valid checkpoint found in output directory ({root}): resuming from True: no complete "
+                f"checkpoint (checkpoint-N with a valid {cio.MANIFEST}) in {root}; found: {seen or 'nothing'}"
+                f"{_set_aside_hint(root)}"
             )
         for _, path in reversed(found):
             try:
@@ -119,7 +120,9 @@ def _explicit(checkpoint: Any) -> Path:
         raise ConfigError(f"resume_from_checkpoint must be a path or True, got {checkpoint!r}")
     path = Path(checkpoint)
     if not path.is_dir() and not path.is_symlink():
-        raise ConfigError(f"resume_from_checkpoint={str(path)!r} is not a directory")
+        raise ConfigError(
+            f"Can't find a valid checkpoint at {path}: resume_from_checkpoint={str(path)!r} is not a directory"
+        )
     real_directory(path)
     return path
 
