@@ -118,8 +118,10 @@ REFUSED: dict[str, str] = {
     "_init_training_state": _LOOP,
     "_prepare_for_training": _LOOP,
     "_finalize_training": _LOOP + " (Event.TRAIN_END)",
-    "_determine_best_metric": "metric_for_best_model / greater_is_better, or an evaluate() override returning "
-    "the metric",
+    "_determine_best_metric": "metric_for_best_model / greater_is_better (the BestMetric plugin keeps "
+    "state.best_metric at each evaluation's EVAL_END, before checkpoints and early stopping read it), or an evaluate() "
+    "override returning the metric; trainbus's _determine_best_metric answers whether the latest evaluation set the "
+    "best (for a copied _maybe_log_save_evaluate body)",
     "_track_num_input_tokens": "include_num_input_tokens_seen (the TokenCounter plugin)",
     "set_initial_training_values": "max_steps / num_train_epochs (the engine plans the run)",
     "get_total_train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps (the engine plans "
