@@ -94,8 +94,9 @@ class EventType(Generic[P]):
     The loop's events are ``Event.X``. An event of your own is an ``EventType(name, PayloadClass)``
     made once, at module level: ``name`` an identifier no other event has (``event_by_name`` and the
     string form ``engine.on("SPIKE", fn)`` find it), ``PayloadClass`` a dataclass subclass of
-    ``Payload`` (its first field is the engine). The index, the bus's slot, is assigned: pass none.
-    Making it again with the same name and payload class gives the same event.
+    ``Payload`` (its first field is the engine). The index, the bus's slot, is assigned (one passed is
+    ignored). Making it again with the same name and payload class gives the same event; with another
+    payload class, a new event that takes the name for string lookups (``engine.on("SPIKE", fn)``).
 
     - Fire it with ``engine.fire(EVENT, PayloadClass(engine, ...))`` (``ev.engine.fire`` in a handler),
       from a handler, a hook or your own code; its handlers run at once, in order, and ``fire``
@@ -109,8 +110,8 @@ class EventType(Generic[P]):
       ``every=N`` keeps its rhythm across a resume. ``engine.describe()`` lists the event's handlers
       after the loop's events. ``EventRecorder`` and ``check_trace`` see the loop's events only.
 
-    A mistake fails when it is made, naming the remedy: a name the loop uses, a payload class that is
-    not a ``Payload``, an index taken by another event, a payload of another class given to ``fire``.
+    A mistake fails when it is made, naming the remedy: a name the loop uses, a payload that is no
+    class, a payload of another class given to ``fire``, firing one of the loop's events.
 
     Example::
 
@@ -154,12 +155,7 @@ class EventType(Generic[P]):
 
     def __new__(cls, name: str, payload_type: type[P], index: int | None = None) -> EventType[P]:
         existing = _BY_NAME.get(name)
-        if (
-            existing is not None
-            and existing not in _BUILT_IN
-            and existing.payload_type is payload_type
-            and index in (None, existing.index)
-        ):
+        if existing is not None and existing not in _BUILT_IN and existing.payload_type is payload_type:
             return existing  # the same event again (made inline in on() and in fire()): one event, one slot
         return super().__new__(cls)
 
@@ -220,46 +216,26 @@ class FilteredEvent(Generic[P]):
 
 
 def _register(event: EventType[Any], index: int | None) -> int:
-    """Check a new event and give it its index: built-ins bring theirs, events of your own the next free one."""
+    """Check a new event and give it the next free index, the bus's slot (the loop's events take 0 .. 19 in order)."""
     name, payload_type = event.name, event.payload_type
     if not isinstance(name, str) or not name.isidentifier():
         raise ConfigError(f"an event's name must be an identifier such as 'SPIKE', got {name!r}")
-    if not (isinstance(payload_type, type) and issubclass(payload_type, Payload)):
+    if not isinstance(payload_type, type):
         raise ConfigError(
-            f"EventType({name!r}, ...) needs a payload class, a subclass of trainbus.engine.Payload (a dataclass "
-            f"whose first field is the engine), got {payload_type!r}; e.g. @dataclass class {name.title()}Event"
+            f"EventType({name!r}, ...) needs the payload's class, best a dataclass subclass of trainbus.engine.Payload "
+            f"(its first field is the engine), got {payload_type!r}; e.g. @dataclass class {name.title()}Event"
             "(Payload): value: float"
         )
-    previous = _BY_NAME.get(name)
-    if previous in _BUILT_IN:
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
+        raise ConfigError(f"EventType({name!r}, {payload_type.__name__}, index): leave the index out, got {index!r}")
+    if _BY_NAME.get(name) in _BUILT_IN:
         raise ConfigError(f"event name {name!r} is the loop's own Event.{name}; give your event another name")
-    if previous is not None and _qualname(previous.payload_type) != _qualname(payload_type):
-        raise ConfigError(
-            f"an event named {name!r} already exists with payload {_qualname(previous.payload_type)}; "
-            f"EventType({name!r}, {payload_type.__name__}) would make a second one: use that one "
-            f"(trainbus.engine.events.event_by_name({name!r})) or another name"
-        )  # the same name and payload class again is a module imported twice: the newer event wins
+    # the index is assigned, whatever was passed (an index is a slot, and a slot another module took is no error);
+    # a second event of an existing name (a module imported twice, two libraries) takes the name for string lookups
     free = max(_BY_INDEX, default=-1) + 1
-    if index is not None:
-        taken = _BY_INDEX.get(index)
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0 or (taken is None and index != free):
-            raise ConfigError(
-                f"EventType({name!r}, {payload_type.__name__}, {index!r}): leave the index out, it is assigned "
-                f"(the next free one is {free})"
-            )
-        if taken is not None:
-            raise ConfigError(
-                f"EventType({name!r}, {payload_type.__name__}, {index}): index {index} is taken by {taken!r}; "
-                f"leave the index out, it is assigned (the next free one is {free})"
-            )
-        free = index
     _BY_INDEX[free] = event
     _BY_NAME[name] = event
     return free
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class Event:

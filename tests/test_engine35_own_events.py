@@ -21,7 +21,7 @@ class SpikeEvent(Payload):
     micro_step: int
 
 
-SPIKE = EventType("SPIKE", SpikeEvent)
+SPIKE = EventType("LOSS_SPIKE", SpikeEvent)
 
 
 class SpikeDetector(Plugin):
@@ -75,13 +75,13 @@ def test_an_event_of_your_own_is_fired_filtered_and_ordered() -> None:
     engine = toy_engine(LoopConfig(24, 4, 2, 2, None, None), plugins=[counter, SpikeDetector(0.0), SpikeLog(order)])
     early = engine.on(SPIKE, lambda ev: order.append(f"first {ev.micro_step}"), priority=Priority.FIRST, name="early")
     engine.fit()
-    spikes = engine.state.event_counts["SPIKE"]
+    spikes = engine.state.event_counts["LOSS_SPIKE"]
     assert spikes == 12  # every micro-batch's loss is > 0: 6 batches x 2 epochs
     assert counter.counted == list(range(2, 13, 2))  # every=2 counts the event's own occurrences
     assert order[:4] == ["first 1", "log 1", "first 2", "log 2"]  # FIRST, then the DEFAULT phase
-    assert engine.describe()["SPIKE"] == ["early", "SpikeLog.record", "SpikeCounter.count"]
+    assert engine.describe()["LOSS_SPIKE"] == ["early", "SpikeLog.record", "SpikeCounter.count"]
     early.remove()
-    assert engine.describe()["SPIKE"] == ["SpikeLog.record", "SpikeCounter.count"]
+    assert engine.describe()["LOSS_SPIKE"] == ["SpikeLog.record", "SpikeCounter.count"]
 
 
 def test_the_issues_spelling_works_and_a_string_names_it() -> None:
@@ -89,8 +89,7 @@ def test_the_issues_spelling_works_and_a_string_names_it() -> None:
     class GapEvent(Payload):
         gap: float
 
-    index = max(e.index for e in (*Event.ALL, SPIKE)) + 1
-    gap = EventType("GAP_35", GapEvent, index)  # the issue passed an index: the next free one is accepted
+    gap = EventType("GAP_35", GapEvent, 20)  # the issue passed an index: the slot is assigned anyway
     engine = Engine(torch.nn.Linear(1, 1))
     seen: list[float] = []
     engine.on("GAP_35", lambda ev: seen.append(ev.gap))
@@ -102,7 +101,7 @@ def test_the_issues_spelling_works_and_a_string_names_it() -> None:
 def test_a_fired_event_without_handlers_is_counted() -> None:
     engine = Engine(torch.nn.Linear(1, 1))
     engine.fire(SPIKE, SpikeEvent(engine, 1.0, 0))
-    assert engine.state.event_counts["SPIKE"] == 1
+    assert engine.state.event_counts["LOSS_SPIKE"] == 1
 
 
 def test_a_handlers_error_names_the_event_of_your_own() -> None:
@@ -110,7 +109,7 @@ def test_a_handlers_error_names_the_event_of_your_own() -> None:
     engine.on(SPIKE, lambda ev: 1 / 0, name="divide")
     with pytest.raises(ZeroDivisionError) as caught:
         engine.fire(SPIKE, SpikeEvent(engine, 1.0, 0))
-    assert caught.value.trainbus_event == "SPIKE" and caught.value.trainbus_handler == "divide"  # type: ignore[attr-defined]
+    assert caught.value.trainbus_event == "LOSS_SPIKE" and caught.value.trainbus_handler == "divide"  # type: ignore[attr-defined]
 
 
 def test_filter_counts_survive_a_resume() -> None:
@@ -121,17 +120,35 @@ def test_filter_counts_survive_a_resume() -> None:
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: EventType("X_35", SpikeEvent, 3), "index 3 is taken by Event.BATCH_START; leave the index out"),
-        (lambda: EventType("X_35", SpikeEvent, 999), "leave the index out, it is assigned"),
-        (lambda: EventType("LOSS", SpikeEvent), "is the loop's own Event.LOSS"),
-        (lambda: EventType("SPIKE", LossEvent), "already exists with payload"),
-        (lambda: EventType("X_35", dict), "subclass of trainbus.engine.Payload"),
+        (lambda: EventType("LOSS", SpikeEvent), "is the loop's own Event.LOSS; give your event another name"),
+        (lambda: EventType("X_35", 5), "needs the payload's class"),
         (lambda: EventType("not a name", SpikeEvent), "must be an identifier"),
+        (lambda: EventType("X_35", SpikeEvent, "20"), "leave the index out"),
     ],
 )
 def test_defining_an_event_wrongly_says_how_to_do_it(make: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+def test_an_index_is_a_slot_and_a_name_may_be_defined_again() -> None:
+    """Modules that each define their events (tests, libraries) do not collide: a passed index is ignored, and a
+    second event of a name (another payload class) takes the name for string lookups, the first still works."""
+
+    @dataclass
+    class OtherSpike(Payload):
+        level: int
+
+    first = EventType("SHARED_35", SpikeEvent, 3)  # 3 is BATCH_START's: ignored
+    second = EventType("SHARED_35", OtherSpike, 3)
+    assert first is not second and first.index not in (3, second.index) and second.index != 3
+    engine = Engine(torch.nn.Linear(1, 1))
+    seen: list[str] = []
+    engine.on(first, lambda ev: seen.append("first"))
+    engine.on("SHARED_35", lambda ev: seen.append("second"))
+    engine.fire(first, SpikeEvent(engine, 1.0, 0))
+    engine.fire(second, OtherSpike(engine, 1))
+    assert seen == ["first", "second"]
 
 
 def test_firing_wrongly_says_how_to_do_it() -> None:
@@ -140,8 +157,8 @@ def test_firing_wrongly_says_how_to_do_it() -> None:
         engine.fire(Event.LOSS, SpikeEvent(engine, 1.0, 0))
     with pytest.raises(ConfigError, match=r"carries a SpikeEvent, got LossEvent"):
         engine.fire(SPIKE, LossEvent(engine, None, None, torch.zeros(()), 0, 1))
-    with pytest.raises(ConfigError, match=r"did you mean 'SPIKE'.*events of your own: .*SPIKE"):
-        engine.on("SPIKY", print)
+    with pytest.raises(ConfigError, match=r"did you mean .LOSS_SPIKE.*events of your own: .*LOSS_SPIKE"):
+        engine.on("LOSS_SPIKY", print)
 
 
 def test_the_documented_example_runs() -> None:
@@ -175,6 +192,6 @@ def test_the_issues_inline_spelling_gives_one_event() -> None:
     name and payload class reach the same handlers: making an event again gives the same object."""
     engine = Engine(torch.nn.Linear(1, 1))
     seen: list[float] = []
-    engine.on(EventType("SPIKE", SpikeEvent, SPIKE.index), lambda ev: seen.append(ev.loss))
-    engine.fire(EventType("SPIKE", SpikeEvent), SpikeEvent(engine, 3.0, 1))
-    assert seen == [3.0] and EventType("SPIKE", SpikeEvent) is SPIKE
+    engine.on(EventType("LOSS_SPIKE", SpikeEvent, 20), lambda ev: seen.append(ev.loss))
+    engine.fire(EventType("LOSS_SPIKE", SpikeEvent), SpikeEvent(engine, 3.0, 1))
+    assert seen == [3.0] and EventType("LOSS_SPIKE", SpikeEvent) is SPIKE
