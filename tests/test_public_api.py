@@ -42,6 +42,16 @@ def test_the_first_names_are_one_import_away() -> None:
     assert set(trainbus.__all__) <= set(dir(trainbus))
 
 
+def test_the_seq2seq_pair_is_one_import_away_too() -> None:
+    """A transformers script's ``from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments`` ports by
+    changing ``transformers`` to ``trainbus``, as the Trainer's import does."""
+    from trainbus import Seq2SeqTrainer, Seq2SeqTrainingArguments
+    from trainbus.plugins import Seq2SeqTrainer as FromPlugins
+    from trainbus.plugins import Seq2SeqTrainingArguments as ArgsFromPlugins
+
+    assert Seq2SeqTrainer is FromPlugins and Seq2SeqTrainingArguments is ArgsFromPlugins
+
+
 def test_the_version_is_the_installed_distributions() -> None:
     import importlib.metadata
 

@@ -3,6 +3,7 @@
 The names users reach for first, one import away::
 
     from trainbus import Trainer, TrainingArguments      # the Hugging Face style facade
+    from trainbus import Seq2SeqTrainer, Seq2SeqTrainingArguments   # and its sequence-to-sequence pair
     from trainbus import Engine, Plugin, Event           # the engine, to compose or extend
 
 Names resolve on first access (PEP 562), so ``import trainbus.engine`` still loads the engine
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainbus.engine import Control, Engine, Event, Plugin, Priority, State
-    from trainbus.plugins import Trainer, TrainingArguments
+    from trainbus.plugins import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
 
 #: public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
@@ -32,9 +33,24 @@ _EXPORTS: dict[str, str] = {
     "Control": "trainbus.engine",
     "Trainer": "trainbus.plugins",
     "TrainingArguments": "trainbus.plugins",
+    # the names a transformers script imports for sequence-to-sequence training, so its port is the same one-line change
+    "Seq2SeqTrainer": "trainbus.plugins",
+    "Seq2SeqTrainingArguments": "trainbus.plugins",
 }
 
-__all__ = ["Control", "Engine", "Event", "Plugin", "Priority", "State", "Trainer", "TrainingArguments", "__version__"]
+__all__ = [
+    "Control",
+    "Engine",
+    "Event",
+    "Plugin",
+    "Priority",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
+    "State",
+    "Trainer",
+    "TrainingArguments",
+    "__version__",
+]
 
 
 def _installed_version() -> str:
