@@ -1,6 +1,7 @@
 """Signature checks at registration: a handler or a hook that cannot take what the loop passes fails
 when it is registered, naming the event or the hook and the call it must accept, not at its first call
-inside fit() with a bare "<lambda>() takes 1 positional argument but 2 were given".
+inside fit() with a bare "<lambda>() takes 1 positional argument but 2 were given". The error is a
+``ConfigTypeError``: a ConfigError, and a TypeError as Python's own would be.
 
 ``inspect.signature`` is asked once per registration (``on``, ``set_hook``, ``wrap_hook``), never per
 step. A callable whose signature Python cannot tell (some builtins, C extensions) is not checked.
@@ -12,7 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigTypeError
 from .events import EventType
 
 #: how the loop calls each hook of ``trainbus.hooks.Hooks`` (positional arguments, in order)
@@ -58,10 +59,10 @@ def describe_callable(fn: Callable[..., Any]) -> str:
 
 
 def check_handler(event: EventType[Any], fn: Callable[..., Any], name: str) -> None:
-    """Raise ConfigError when ``fn`` cannot be called as ``handler(payload)``."""
+    """Raise ConfigTypeError when ``fn`` cannot be called as ``handler(payload)``."""
     refusal = _refusal(fn, 1)
     if refusal is not None:
-        raise ConfigError(
+        raise ConfigTypeError(
             f"handler {name!r} for event {event.name} is called as handler(payload), the payload a "
             f"{event.payload_type.__name__}; it is {refusal}. Take one argument: def handler(ev: "
             f"{event.payload_type.__name__}) -> None, a plugin's method def method(self, ev), or lambda ev: ..."
@@ -69,13 +70,13 @@ def check_handler(event: EventType[Any], fn: Callable[..., Any], name: str) -> N
 
 
 def check_hook(hook: str, fn: Any, source: str) -> None:
-    """Raise ConfigError when ``fn`` cannot serve ``hook``; ``source`` says where it came from, as
+    """Raise ConfigTypeError when ``fn`` cannot serve ``hook``; ``source`` says where it came from, as
     "the wrapper from MixedPrecision returned" or "set_hook / Hooks(...) gave"."""
     if not callable(fn):
-        raise ConfigError(f"hook {hook!r} must be a function callable as {hook_call(hook)}; {source} {fn!r:.80}")
+        raise ConfigTypeError(f"hook {hook!r} must be a function callable as {hook_call(hook)}; {source} {fn!r:.80}")
     refusal = _refusal(fn, len(HOOK_CALLS[hook]))
     if refusal is not None:
-        raise ConfigError(f"hook {hook!r} is called as {hook_call(hook)}; {source} {refusal}")
+        raise ConfigTypeError(f"hook {hook!r} is called as {hook_call(hook)}; {source} {refusal}")
 
 
 def check_hooks(hooks: Any, source: str = "Hooks(...) gave") -> None:
@@ -85,11 +86,11 @@ def check_hooks(hooks: Any, source: str = "Hooks(...) gave") -> None:
 
 
 def check_wrapper(hook: str, wrapper: Any, owner: str | None) -> None:
-    """Raise ConfigError when ``wrapper`` is not a function ``wrapper(inner) -> outer``."""
+    """Raise ConfigTypeError when ``wrapper`` is not a function ``wrapper(inner) -> outer``."""
     who = f" (from {owner})" if owner else ""
     example = f"lambda inner: lambda {', '.join(HOOK_CALLS[hook])}: inner({', '.join(HOOK_CALLS[hook])})"
     if not callable(wrapper) or _refusal(wrapper, 1) is not None:
-        raise ConfigError(
+        raise ConfigTypeError(
             f"wrap_hook({hook!r}, wrapper){who}: the wrapper is called once as wrapper(inner), inner being the "
             f"{hook} below it, and returns the new {hook_call(hook)}; got {wrapper!r}. E.g. {example}"
         )

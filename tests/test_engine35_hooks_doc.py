@@ -135,3 +135,9 @@ def test_a_hook_that_is_not_a_function_is_named_once(field: str) -> None:
     if field != "compute_loss":  # the Engine's own loss_fn replaces compute_loss (engine/loop.py checks that pair)
         with pytest.raises(ConfigError, match=rf"hook '{field}' must be a function .*; set_hook / Hooks.* gave 'x'"):
             Engine(torch.nn.Linear(1, 1), hooks=Hooks(**{field: "x"}), loss_fn=torch.nn.MSELoss())
+
+
+def test_a_signature_error_is_a_type_error_too() -> None:
+    engine = engine_with()
+    with pytest.raises(TypeError, match=r"forward\(model, batch\)"):  # as Python's own error, for except TypeError
+        engine.wrap_hook("forward", lambda inner: lambda batch: inner(batch))
