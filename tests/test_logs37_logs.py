@@ -4,6 +4,7 @@ its own run's. Each record carries its run's id; a file holding another run's re
 
 from __future__ import annotations
 
+import csv
 import json
 import warnings
 from pathlib import Path
@@ -16,6 +17,13 @@ from trainbus.plugins.checkpoints.resuming import resume
 from trainbus.plugins.observability.sinks import JsonlSink
 
 MOVED = r"held records of another run; this run \(run_id [0-9a-f]{32}\) moved that file to"
+
+
+def rows(table: Path) -> list[dict[str, str]]:
+    """A CSV's rows without timings and run ids, empty cells left out."""
+    with table.open(newline="") as f:
+        return [{k: v for k, v in row.items() if v and "runtime" not in k and "per_second" not in k and k != "run_id"}
+                for row in csv.DictReader(f)]  # fmt: skip
 
 
 def aside(folder: Path, name: str) -> list[Path]:
@@ -107,6 +115,12 @@ def test_a_resume_cuts_back_only_its_own_records(tmp_path: Path) -> None:
     with log.open("a") as f:
         f.write(foreign)  # another experiment logging into the same file
     before = log.read_bytes()
+    table = tmp_path / "run" / "logs.csv"
+    with table.open(newline="") as f:
+        header = next(csv.reader(f))
+    with table.open("a", newline="") as f:
+        csv.DictWriter(f, fieldnames=header, restval="").writerow({"step": 1, "loss": 9.0, "run_id": "f" * 32})
+    table_before = table.read_bytes()
     resumed = engine(tmp_path / "run", 8, sinks=tmp_path / "run")
     resume(resumed, tmp_path / "run" / "checkpoint-4")
     with pytest.warns(UserWarning, match=MOVED):
@@ -119,6 +133,9 @@ def test_a_resume_cuts_back_only_its_own_records(tmp_path: Path) -> None:
                 for r in records(tmp_path / "clean" / "logs.jsonl")]  # fmt: skip
     assert untimed == expected  # this run's file: each of its records once, as the uninterrupted run's
     assert {r["run_id"] for r in records(log)} == {crashed.state.run_id}
+    (kept_table,) = aside(tmp_path / "run", "logs.csv")
+    assert kept_table.read_bytes() == table_before
+    assert rows(table) == rows(tmp_path / "clean" / "logs.csv")  # the CSV likewise
 
 
 def test_a_resume_of_the_runs_own_file_cuts_and_warns_nothing(tmp_path: Path) -> None:

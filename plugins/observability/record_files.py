@@ -37,22 +37,28 @@ def json_run_id(line: bytes) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def set_aside_beside(path: Path) -> Path:
-    """Rename ``path`` to ``<stem>.<time><suffix>`` beside it (its last write, UTC; ``-2``, ... when taken)."""
-    stamp = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.UTC).strftime("%Y-%m-%dT%H-%M-%SZ")
-    for n in range(1, 10_000):
-        target = path.with_name(f"{path.stem}.{stamp}{'' if n == 1 else f'-{n}'}{path.suffix}")
-        try:
-            os.link(path, target)  # never over an existing file: a set-aside file is never replaced
-        except FileExistsError:
-            continue
-        except OSError:  # no hard links here: a rename that checks first
-            if target.exists():
+def set_aside_beside(path: Path) -> Path | None:
+    """Rename ``path`` to ``<stem>.<time><suffix>`` beside it (its last write, UTC; ``-2``, ... when taken); None when
+    ``path`` is gone (another process set it aside first)."""
+    try:
+        stamp = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.UTC).strftime("%Y-%m-%dT%H-%M-%SZ")
+        for n in range(1, 10_000):
+            target = path.with_name(f"{path.stem}.{stamp}{'' if n == 1 else f'-{n}'}{path.suffix}")
+            try:
+                os.link(path, target)  # never over an existing file: a set-aside file is never replaced
+            except FileExistsError:
                 continue
-            os.replace(path, target)
+            except FileNotFoundError:
+                raise
+            except OSError:  # no hard links here: a rename that checks first
+                if target.exists():
+                    continue
+                os.replace(path, target)
+                return target
+            path.unlink()
             return target
-        path.unlink()
-        return target
+    except FileNotFoundError:
+        return None
     raise FileExistsError(f"no free name to set {path} aside")
 
 

@@ -137,6 +137,9 @@ class _FileSink(Plugin):
         keep = len(mine) if self.records is None else min(self.records, len(mine))
         if len(mine) < len(ids):  # another run's records (or records without an id): that run's file, kept whole
             self.set_aside = set_aside_beside(self.path)
+            if self.set_aside is None:  # another process moved it meanwhile: nothing of it is left here
+                self.records = 0
+                return
             message = (
                 f"{type(self).__name__}: {self.path} held records of another run; this run (run_id {own}) moved "
                 f"that file to {self.set_aside} and starts {self.path} anew"
@@ -257,10 +260,14 @@ class CsvSink(_FileSink):
             reader = csv.DictReader(f)
             header, rows = list(reader.fieldnames or []), list(reader)
         kept = [rows[i] for i in indices]
-        with self.path.open("x", encoding="utf-8", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=header, restval="", extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(kept)
+        try:
+            with self.path.open("x", encoding="utf-8", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=header, restval="", extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(kept)
+        except FileExistsError:  # another process wrote a record here meanwhile: add ours as records, header grown
+            for row in kept:
+                self.write({k: v for k, v in row.items() if v not in (None, "")})
 
     def _header(self) -> list[str]:
         if not self.path.exists():
