@@ -242,6 +242,25 @@ def test_a_clipping_override_the_run_would_not_call_is_refused(tmp_path: Path) -
         cls(Regressor(), args, train_dataset=_data(4))
 
 
+@pytest.mark.parametrize(
+    ("event", "cleared"),
+    [("on_log", ["should_log"]), ("on_evaluate", ["should_evaluate"]), ("on_save", ["should_save"]),
+     ("on_step_begin", ["should_log", "should_evaluate", "should_save"])],
+)  # fmt: skip
+def test_the_callback_handler_clears_the_flag_of_its_event_as_transformers(
+    event: str, cleared: list[str], tmp_path: Path
+) -> None:
+    """A copied body's ``self.callback_handler.on_save(...)`` leaves should_save unset, as transformers' does."""
+    args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True, max_steps=1)
+    trainer = Trainer(Regressor(), args, train_dataset=_data(4))
+    flags = ("should_log", "should_evaluate", "should_save", "should_training_stop")
+    for flag in flags:
+        setattr(trainer.control, flag, True)
+    extra = [{}] if event in ("on_log", "on_evaluate") else []
+    control = getattr(trainer.callback_handler, event)(args, trainer.state, trainer.control, *extra)
+    assert {flag: getattr(control, flag) for flag in flags} == {flag: flag not in cleared for flag in flags}
+
+
 def test_without_an_override_nothing_is_added(tmp_path: Path) -> None:
     """The default Trainer keeps trainbus's logger and no per-step handler of this module."""
     args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True, max_steps=1)

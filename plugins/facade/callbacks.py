@@ -141,8 +141,9 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
     def call_event(self, event: str, engine: Engine, **extra: Any) -> None:
         """Call ``event`` on every callback with HF's arguments; a returned control is honoured."""
         control = engine.control
-        for flag in _CLEARED_BY.get(event, ()):  # transformers' handler clears it before the callbacks run
-            setattr(control, flag, False)
+        if control.requested:  # transformers' handler clears these before the callbacks run
+            for flag in _CLEARED_BY.get(event, ()):
+                setattr(control, flag, False)
         kwargs = {
             "model": engine.model,
             "processing_class": self.processing_class,
