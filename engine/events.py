@@ -47,6 +47,9 @@ CONSUMER, LAST), inside a phase in the order ``before=`` / ``after=`` declare (h
 before every other reader of what it writes, in any order the plugins were listed in. An order that
 cannot hold (a cycle, a reader in an earlier phase than its writer) is a ConfigError naming both
 handlers when the second registers. ``engine.describe()`` lists each event's handlers in call order.
+For example, TrainLogger reads ``metrics`` at EVAL_END in DEFAULT after ``"*"``: a metric added by a
+PRODUCER or DEFAULT handler is logged (log_history, sinks) whatever the plugin order; a handler in
+CONSUMER or LAST that declares ``writes="metrics"`` is refused, naming TrainLogger's handler.
 """
 
 from __future__ import annotations
