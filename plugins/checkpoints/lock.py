@@ -8,7 +8,10 @@ lock file holds the holder's pid, host and start time (JSON), which a second run
 holder removes it when it ends (a killed run leaves it, unlocked: the next run takes it over). Only
 rank 0 takes it (only rank 0 writes checkpoints); every rank learns the outcome, so every rank fails
 together. A process may take the lock it holds again (the Trainer holds it around its resume and
-``fit()``; the Checkpointing plugin takes it at TRAIN_START, for any composition). The lock is the
+``fit()``; the Checkpointing plugin takes it at TRAIN_START, for any composition). The lock, not a pid,
+says who is alive: leftovers of saves are tidied and earlier runs set aside only by a holder of the lock
+(``tidy_under_lock``; a ``resume(engine, True)`` takes it if free, else touches nothing), so a save in
+flight in another container or on another host, whose pid means nothing here, is never touched. The lock is the
 main process's alone: a forked child (a DataLoader worker) closes its inherited descriptor at once
 (``os.register_at_fork``), so a killed run's workers never keep the directory locked; an acquisition
 that fails midway closes its descriptor, and an output_dir that cannot be locked is named with its
