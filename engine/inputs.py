@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, ConfigTypeError, check_callable, check_flag
+from .signatures import check_hooks, describe_callable
 
 _OPTIMIZER_PROTOCOL = ("step", "zero_grad", "param_groups")
 
@@ -93,8 +94,19 @@ def check_plugins(plugins: Any) -> list[Any]:
     return list(plugins)
 
 
-def check_engine_arguments(loss_fn: Any, trace: Any, eval_data: Any) -> None:
-    """The Engine's arguments that only need a look (the others are converted where they are stored)."""
+def check_engine_arguments(loss_fn: Any, trace: Any, eval_data: Any, hooks: Any = None) -> None:
+    """The Engine's arguments that only need a look (the others are converted where they are stored).
+
+    Every field of ``hooks`` is checked (``signatures.check_hooks``), also a ``compute_loss`` that ``loss_fn`` would
+    replace unseen; a custom ``compute_loss`` and a ``loss_fn`` together are refused: one of them would be ignored.
+    """
+    if hooks is not None:
+        check_hooks(hooks, "set_hook / Hooks(...) gave")  # the words of assembly.py's check
+        if loss_fn is not None and hooks.compute_loss is not type(hooks)().compute_loss:
+            raise ConfigError(
+                f"loss_fn={describe_callable(loss_fn)} and hooks=Hooks(compute_loss=...) both give the loss, and "
+                "loss_fn would replace the hook unseen: pass one of them"
+            )
     check_callable(
         "loss_fn", loss_fn, "a callable loss_fn(prediction, labels) -> scalar tensor (e.g. torch.nn.MSELoss())"
     )

@@ -136,7 +136,7 @@ class Engine(Passes, Assembly, Lifecycle):
         if hooks is not None and not isinstance(hooks, Hooks):
             raise ConfigError(f"hooks must be a trainbus.hooks.Hooks, got {type(hooks).__name__}")
         check_optimizer(optimizer)
-        check_engine_arguments(loss_fn, trace, eval_data)
+        check_engine_arguments(loss_fn, trace, eval_data, hooks)
         plugins = check_plugins(plugins)
         self.model = model
         self.optimizer = optimizer

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from trainbus.engine import ConfigError, Engine
+from trainbus.hooks import Hooks
 from trainbus.plugins.adapters.peft import AdapterSwitch
 from trainbus.plugins.checkpoints.checkpoint import Checkpointing
 from trainbus.plugins.checkpoints.checkpoint_checks import check_checkpointing_options
@@ -66,6 +67,10 @@ CASES: list[tuple[str, Callable[[], Any], tuple[str, ...]]] = [
     ("label_names a number", lambda: engine(label_names=5), ("label_names", "5", "list or tuple of str")),
     ("label_names holds a number", lambda: engine(label_names=["y", 5]), ("label_names", "5", "str only")),
     ("trace a str", lambda: engine(trace="yes"), ("trace", "'yes'", "True or False")),
+    ("hooks compute_loss a str", lambda: engine(hooks=Hooks(compute_loss="x"), loss_fn=torch.nn.MSELoss()),
+     ("compute_loss", "'x'")),
+    ("hooks compute_loss and loss_fn", lambda: engine(hooks=Hooks(compute_loss=lambda o, b: o.sum()),
+     loss_fn=torch.nn.MSELoss()), ("loss_fn=", "both give the loss", "pass one of them")),
     ("evaluate data a number", lambda: engine().evaluate(5), ("evaluate()'s data", "5", "iterable of batches")),
     ("evaluate prefix a number", lambda: engine(eval_data=[1]).evaluate(prefix=5), ("prefix", "5", "str")),
     ("predict data a number", lambda: engine().predict(5), ("predict()'s data", "5", "iterable of batches")),
@@ -145,6 +150,7 @@ def test_a_type_mistake_is_still_a_type_error() -> None:
 def test_the_good_inputs_are_still_taken(tmp_path: Path) -> None:
     engine(eval_data={"a": [1], "b": (2,)}, label_names=("y",), plugins=(GradientClipping(norm_type=1),), trace=True)
     engine(loss_fn=torch.nn.MSELoss(), label_names=[], plugins=[], eval_data=[(torch.ones(1, 2), torch.ones(1, 1))])
+    engine(loss_fn=torch.nn.MSELoss(), hooks=Hooks())  # the default compute_loss: loss_fn gives the loss
     assert Preemption(signals=[signal.SIGUSR1, int(signal.SIGTERM)]).signals == (signal.SIGUSR1, signal.SIGTERM)
     assert Preemption(signals=[signal.SIGRTMIN]).signals == (int(signal.SIGRTMIN),)
     GradientAccumulation(2, prescaled=lambda: True)
