@@ -15,7 +15,8 @@ With an override, composition adds ``LogSaveEvaluate`` and uses ``StepEndLogger`
 - each micro-batch's loss (LOSS, after accumulation scaled it: transformers' ``training_step`` value) is added on
   the device into ``trainer._tr_loss``; under ``logging_nan_inf_filter`` a NaN / Inf loss adds the running mean
   instead, decided on the device (no host read);
-- each step reads its learning rate through ``_get_learning_rate()`` before the scheduler moves it;
+- each step reads its learning rate through ``_get_learning_rate()`` before the scheduler moves it (a float, as
+  transformers': a learning rate kept as a tensor, torchao's, is read on the host then, as there);
 - after STEP_END's other handlers, and after EPOCH_END's, the override runs with transformers' arguments. The
   flags it leaves set stay set until the epoch's call (transformers clears them only at the next step's start);
   the engine acts on none of them: the override's decisions are the run's.
