@@ -52,6 +52,9 @@ class EpochSampler(Sampler[int]):
         True
     """
 
+    #: its order is a function of (seed, epoch) alone: the data plugin need not probe it (``replay.replay_problem``)
+    order_by_epoch = True
+
     def __init__(self, size: int, seed: int) -> None:
         self.size = size
         self.seed = seed

@@ -226,7 +226,8 @@ def skip_first_batches(
 def replay_problem(data: Any) -> str | None:
     """Why a mid-epoch resume cannot make ``data``'s epoch order again, or None when it can (or may).
 
-    torch's samplers are replayable. Another sampler (one with a ``set_epoch`` too: it may keep more state
+    torch's samplers are replayable, and those whose order is a function of their epoch (``order_by_epoch``,
+    trainbus's ``EpochSampler``). Another sampler (one with a ``set_epoch`` too: it may keep more state
     than its epoch) is tried on a copy: two passes from the same states (the global generators', those of
     its own, the same epoch) must give the same order, and draw from the global generators only before
     their first batch (draws as it goes are interleaved with the steps' draws).
@@ -235,7 +236,7 @@ def replay_problem(data: Any) -> str | None:
         return None
     batch_sampler = data.batch_sampler
     sampler = batch_sampler.sampler if type(batch_sampler) is BatchSampler else batch_sampler
-    if type(sampler) in REPLAYABLE:
+    if type(sampler) in REPLAYABLE or getattr(type(sampler), "order_by_epoch", False):
         return None
     try:
         size = len(sampler)  # type: ignore[arg-type]
