@@ -219,7 +219,18 @@ class RemembersPasses(Sampler[int]):
         return iter(sorted(range(self.size), key=lambda i: (i * 7 + self.passes) % self.size))
 
 
-@pytest.mark.parametrize("sampler", [DrawsAsItGoes(6), RemembersPasses(6)], ids=["draws-as-it-goes", "private-state"])
+class EpochAndPasses(RemembersPasses):
+    """Has a ``set_epoch``, but its order also depends on a counter it keeps: more state than its epoch."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [DrawsAsItGoes(6), RemembersPasses(6), EpochAndPasses(6)],
+    ids=["draws-as-it-goes", "private-state", "set-epoch-and-private-state"],
+)
 def test_a_sampler_that_cannot_be_replayed_is_reported_at_attach(sampler: Sampler[int]) -> None:
     model = torch.nn.Linear(3, 1)
     loader = DataLoader(TensorDataset(torch.randn(6, 3), torch.randn(6, 1)), batch_size=2, sampler=sampler)
