@@ -148,6 +148,30 @@ def test_a_loader_with_its_own_generator_resumes_bit_exact(tmp_path: Path) -> No
     assert same_weights(full.model, resumed.model)
 
 
+@pytest.mark.parametrize("save_strategy", ["steps", "epoch"], ids=["last-batch", "epoch-end"])
+def test_a_loader_with_its_own_generator_resumes_bit_exact_at_an_epoch_boundary(
+    tmp_path: Path, save_strategy: str
+) -> None:
+    """The generator's state at the checkpoint travels with it (a fresh process would start it over), and a
+    checkpoint at an epoch's last batch, before the sampler's pass drew its exhaustion, resumes as well."""
+
+    def build(out: Path) -> Engine:
+        torch.manual_seed(7)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.Dropout(0.4), torch.nn.Linear(6, 1))
+        data = TensorDataset(torch.randn(12, 3), torch.randn(12, 1))
+        loader = DataLoader(data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(5))
+        saving = Checkpointing(out, save_strategy=save_strategy, save_steps=6)
+        return Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=loader, max_epochs=3,
+                      loss_fn=torch.nn.MSELoss(), plugins=[saving])  # fmt: skip
+
+    full = build(tmp_path / "full")
+    full.fit()
+    resumed = build(tmp_path / "resumed")
+    resume(resumed, tmp_path / "full" / "checkpoint-6")  # the end of epoch 0: epoch 1 draws its order from g
+    resumed.fit()
+    assert same_weights(full.model, resumed.model)
+
+
 class NumpyShuffle(Sampler[int]):
     """A user's sampler drawing its order from numpy's global generator when a pass starts."""
 

@@ -66,7 +66,12 @@ def data_roots(data: Any) -> dict[str, Any]:
     if not isinstance(data, DataLoader):
         return {"data": data}
     batch_sampler = data.batch_sampler
-    roots = {"dataset": data.dataset, "collate_fn": data.collate_fn, "sampler": data.sampler}
+    roots = {
+        "generator": data.generator,
+        "dataset": data.dataset,
+        "collate_fn": data.collate_fn,
+        "sampler": data.sampler,
+    }
     return roots | {"batch_sampler": batch_sampler, "batch_sampler.sampler": getattr(batch_sampler, "sampler", None)}
 
 
@@ -108,12 +113,27 @@ def make_pool_quietly(data: Any) -> None:
     set_epoch_start_states(data, saved)
 
 
+#: the roots (``data_roots``) whose generators the sampler side draws from: the replay itself draws them again
+SAMPLER_SIDE = frozenset({"generator", "sampler", "batch_sampler"})
+
+
+def _data_side(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without the sampler side's own generators: a resumed epoch's replay has drawn them again from
+    the epoch's start (the exhaustion of the pass included, which a checkpoint at the epoch's last batch
+    precedes, or follows when workers prefetched), so the checkpoint's states would put them off."""
+    own = state.get("own")
+    if not own:
+        return state
+    return {**state, "own": {path: v for path, v in own.items() if path.split(".")[0] not in SAMPLER_SIDE}}
+
+
 class RngReplay:
     """States to set as the resumed epoch's batches are made: ``first()`` once the sampler has drawn its
-    order (before the first batch is made), then one state before each following fetch."""
+    order (before the first batch is made), then one state before each following fetch (the global
+    generators and the dataset's and collator's own; the sampler side's are the replay's)."""
 
     def __init__(self, states: list[Any], epoch_start: dict[str, Any] | None = None) -> None:
-        self.states = states
+        self.states = [_data_side(state) for state in states]
         self.epoch_start = epoch_start
         self.used = False
 
