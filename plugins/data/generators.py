@@ -13,6 +13,7 @@ The kinds: ``torch.Generator``, numpy's ``Generator`` and ``RandomState``, ``ran
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import types
@@ -42,10 +43,10 @@ def find_generators(roots: dict[str, Any]) -> dict[str, Any]:
 def _objects(roots: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """Every object under the roots, by path, each once, at most ``LIMIT`` of them (a breadth-first walk)."""
     seen: set[int] = set()
-    queue = [(name, root, DEPTH) for name, root in roots.items()]
+    queue = collections.deque((name, root, DEPTH) for name, root in roots.items())
     visited = 0
     while queue and visited < LIMIT:
-        path, value, depth = queue.pop(0)
+        path, value, depth = queue.popleft()
         if value is None or id(value) in seen:
             continue
         seen.add(id(value))
@@ -55,7 +56,7 @@ def _objects(roots: dict[str, Any]) -> Iterator[tuple[str, Any]]:
             continue
         if callable(getattr(type(value), "__array__", None)):
             continue
-        queue += [(f"{path}.{key}", item, depth - 1) for key, item in _children(value)]
+        queue.extend((f"{path}.{key}", item, depth - 1) for key, item in _children(value))
 
 
 def _children(value: Any) -> list[tuple[str, Any]]:
