@@ -52,6 +52,7 @@ from .lifecycle import Lifecycle, OpenEnd
 from .passes import Passes
 from .plugin import Plugin
 from .state import Control, State
+from .user_step import NamedOptimizers, UserStep, check_step_function, engine_optimizer
 
 logger = logging.getLogger("trainbus.engine")
 
@@ -79,7 +80,7 @@ def data_length(data: Any) -> int | None:
         return None
 
 
-class Engine(Passes, Assembly, Lifecycle):
+class Engine(Passes, Assembly, UserStep, Lifecycle):
     """A training loop that fires events; features are plugins.
 
     fit, evaluate and predict always close what they open: on a failure EXCEPTION fires, then the
@@ -87,7 +88,8 @@ class Engine(Passes, Assembly, Lifecycle):
 
     Args:
         model: the ``torch.nn.Module`` to train.
-        optimizer: its optimizer (may be set later, before ``fit``; an optimizer plugin may set it).
+        optimizer: its optimizer (may be set later, before ``fit``; an optimizer plugin may set it), or several
+            by name, ``{"d": opt_d, "g": opt_g}`` (``engine.optimizers``; see ``user_step.py``).
         train_data: an iterable of batches (a DataLoader); required by ``fit``.
         eval_data: an iterable of batches, or a dict of named ones, for ``evaluate``.
         max_epochs: epochs to train; ignored when ``max_steps`` is given.
@@ -99,6 +101,8 @@ class Engine(Passes, Assembly, Lifecycle):
         device: where batches go; defaults to the model's device.
         label_names: batch keys holding labels.
         trace: record (event, handler) for every handler call in ``engine.bus.trace``.
+        step: ``step(engine, batch)`` run per batch instead of forward, loss, backward and optimizer step; it
+            steps the optimizers with ``engine.step_optimizer(name, loss)`` (a GAN: ``user_step.py``).
 
     Example:
         >>> import torch
@@ -116,7 +120,7 @@ class Engine(Passes, Assembly, Lifecycle):
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
         *,
         train_data: Iterable[Any] | None = None,
         eval_data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None,
@@ -128,6 +132,7 @@ class Engine(Passes, Assembly, Lifecycle):
         device: torch.device | str | None = None,
         label_names: Sequence[str] = ("labels",),
         trace: bool = False,
+        step: Callable[[Engine, Any], Any] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -135,11 +140,12 @@ class Engine(Passes, Assembly, Lifecycle):
         check_positive_int("max_steps", max_steps, allow_none=True)
         if hooks is not None and not isinstance(hooks, Hooks):
             raise ConfigError(f"hooks must be a trainbus.hooks.Hooks, got {type(hooks).__name__}")
-        check_optimizer(optimizer)
+        self.optimizer = engine_optimizer(optimizer)
+        self.step_function = check_step_function(step)
+        self._stepped = False
         check_engine_arguments(loss_fn, trace, eval_data, hooks)
         plugins = check_plugins(plugins)
         self.model = model
-        self.optimizer = optimizer
         self.max_epochs = max_epochs
         self.max_steps = max_steps
         self.label_names = check_label_names(label_names)
@@ -221,7 +227,15 @@ class Engine(Passes, Assembly, Lifecycle):
     @accumulation_steps.setter
     def accumulation_steps(self, k: int) -> None:
         check_positive_int("accumulation_steps", k)
+        if k > 1 and self.step_function is not None:
+            raise ConfigError(f"accumulation_steps={k}: a step function takes one batch per step; accumulate in it "
+                              "(call engine.step_optimizer(name) every k batches, without a loss)")  # fmt: skip
         self._accumulation_steps = k
+
+    @property
+    def optimizers(self) -> Mapping[str, Any]:
+        """The optimizers by name (``Engine(model, {"d": ..., "g": ...})``); empty for one unnamed optimizer."""
+        return self.optimizer.as_mapping() if isinstance(self.optimizer, NamedOptimizers) else {}
 
     # -- handlers ------------------------------------------------------------------------------
     def on(
@@ -329,12 +343,13 @@ class Engine(Passes, Assembly, Lifecycle):
         try:  # one try per run, none per step: the failure path closes what is open (lifecycle.py)
             self._fire(Event.TRAIN_START, lambda: TrainStartEvent(self))
             self._side_effects()
+            run_epoch = self._run_epoch if self.step_function is None else self._run_user_epoch
             while (
                 state.epochs_completed < num_epochs
                 and state.global_step < max_steps
                 and not control.should_training_stop
             ):
-                self._run_epoch(max_steps, steps_per_epoch)
+                run_epoch(max_steps, steps_per_epoch)
             self._close(depth)
         except BaseException as error:
             self._fail(error, depth, "fit")
@@ -440,6 +455,11 @@ class Engine(Passes, Assembly, Lifecycle):
             if state.global_step >= max_steps:
                 exhausted = False
                 break
+        self._finish_epoch(epoch, exhausted, steps_per_epoch, depth)
+
+    def _finish_epoch(self, epoch: int, exhausted: bool, steps_per_epoch: int | None, depth: int) -> None:
+        """Count the epoch when it ended (its data ran out, an epoch stop, its steps), fire EPOCH_END."""
+        state, control = self.state, self.control
         if exhausted and state.batches_in_epoch == 0:
             raise ConfigError(f"train_data yielded no batches in epoch {epoch}")
         finished = (

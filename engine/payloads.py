@@ -148,19 +148,32 @@ class BeforeOptimizerStepEvent(Payload):
     The gradients are complete (AMP plugins unscale them first): clipping and NaN checks go here.
     Not yet: the step, and ``state.global_step`` still counts the steps before this one.
 
+    Under a step function (``Engine(..., step=fn)``) it fires at every ``engine.step_optimizer(name, loss)``,
+    after that loss's backward, once per optimizer the function steps.
+
     Attributes:
         skip: a handler sets True to veto this optimizer step (the window still counts as a step).
+        optimizer: the name of the optimizer about to step (``Engine(model, {"d": ..., "g": ...})``); None for
+            the loop's own step of ``engine.optimizer``. Plugins given ``optimizer="g"`` act on theirs only.
     """
 
     skip: bool = False
+    optimizer: str | None = None
 
 
 @dataclass(eq=False, slots=True)
 class OptimizerStepEvent(Payload):
     """Fires only when the optimizer really stepped (not vetoed, no AMP overflow); schedulers step here.
 
-    ``state.optimizer_steps_taken`` already counts it; ``state.global_step`` does not yet.
+    ``state.optimizer_steps_taken`` already counts it; ``state.global_step`` does not yet. Under a step
+    function it fires once per optimizer that stepped (``optimizer`` names it), and ``optimizer_steps_taken``
+    counts the window once, at its first.
+
+    Attributes:
+        optimizer: the name of the optimizer that stepped; None for the loop's own step of ``engine.optimizer``.
     """
+
+    optimizer: str | None = None
 
 
 @dataclass(eq=False, slots=True)
