@@ -128,7 +128,7 @@ class DynamicWeights(Trainer):
                   "l1": (outputs["logits"] - labels).abs().mean()}  # fmt: skip
         weights = {k: 1.0 if len(self.history[k]) < 2 else self.history[k][-1] / self.history[k][-2] for k in losses}
         for k, v in losses.items():
-            self.history[k].append(float(v))
+            self.history[k].append(float(v.detach()))
         loss = sum(weights[k] * v for k, v in losses.items())
         return (loss, outputs) if return_outputs else loss
 
