@@ -229,7 +229,7 @@ class Engine(Passes, Assembly, UserStep, Lifecycle):
         check_positive_int("accumulation_steps", k)
         if k > 1 and self.step_function is not None:
             raise ConfigError(f"accumulation_steps={k}: a step function takes one batch per step; accumulate in it "
-                              "(call engine.step_optimizer(name) every k batches, without a loss)")  # fmt: skip
+                              "(backward per part of a larger batch, then engine.step_optimizer(name))")  # fmt: skip
         self._accumulation_steps = k
 
     @property

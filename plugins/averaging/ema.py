@@ -75,6 +75,9 @@ class EMA(Plugin):
         eval_with_ema: evaluate (``evaluate()``, also inside ``fit``) with the averaged weights.
         average_buffers: average the floating-point buffers too (default: use the model's own).
         save_averaged: ``Trainer.save_model`` writes the averaged weights (default) or the training ones.
+        optimizer: with several optimizers (``Engine(model, {"d": ..., "g": ...})``), the name of the one whose
+            parameters this averages, updated after its steps only; named ``EMA[g]``. Required with a step
+            function stepping several.
 
     The state (the averages and ``num_updates``) is in ``state_dict()``, so checkpoints carry it
     (the averages go to the safetensors file) and a resume continues bit for bit. For saving the
@@ -112,8 +115,15 @@ class EMA(Plugin):
         eval_with_ema: bool = False,
         average_buffers: bool = False,
         save_averaged: bool = True,
+        optimizer: str | None = None,
     ) -> None:
         self.decay = check_decay(decay)
+        if optimizer is not None and (not isinstance(optimizer, str) or not optimizer):
+            raise ConfigError(f"EMA optimizer must name one of the engine's optimizers (a str), got {optimizer!r}")
+        #: with several optimizers, the one whose parameters this averages, after its steps (named ``EMA[g]``)
+        self.optimizer = optimizer
+        if optimizer is not None:
+            self.name = f"EMA[{optimizer}]"
         _check_flag("save_averaged", save_averaged)
         self.save_averaged = save_averaged
         if not isinstance(warmup, bool):
@@ -151,7 +161,12 @@ class EMA(Plugin):
         # last: optimizer plugins (FIRST) and model set-up (compile, adapters) have run
         self.on(engine, Event.TRAIN_START, self._bind_at_start, priority=Priority.LAST)
         step = Event.OPTIMIZER_STEP if self.every == 1 else Event.OPTIMIZER_STEP(every=self.every)
-        self.on(engine, step, self.update, priority=Priority.LAST)  # after anything that edits the weights
+        if self.optimizer is None and engine.step_function is not None and len(engine.optimizers) > 1:
+            raise ConfigError(f"EMA with several optimizers {list(engine.optimizers)} and a step function: give "
+                              "EMA(optimizer=name), one per optimizer whose parameters it averages")  # fmt: skip
+        # the one-optimizer path keeps its handler as it was; a named EMA looks at the payload's optimizer
+        update = self.update if self.optimizer is None else self.named_update
+        self.on(engine, step, update, priority=Priority.LAST)  # after anything that edits the weights
         if self.eval_with_ema:
             # swap before HalfPrecisionEval casts (FIRST) and restore after it restored (LAST)
             self.on(engine, Event.EVAL_START, self._eval_start, priority=Priority.FIRST, before="HalfPrecisionEval")
@@ -169,8 +184,14 @@ class EMA(Plugin):
         """Name -> live tensor of what is averaged: the optimizer's parameters (+ float buffers)."""
         model = engine.model
         named = dict(model.named_parameters())
-        if engine.optimizer is not None:
-            stepped = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+        optimizer = engine.optimizer
+        if self.optimizer is not None:
+            if self.optimizer not in engine.optimizers:
+                raise ConfigError(f"EMA(optimizer={self.optimizer!r}): this engine's optimizers are "
+                                  f"{list(engine.optimizers)}")  # fmt: skip
+            optimizer = engine.optimizers[self.optimizer]
+        if optimizer is not None:
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             tensors = {n: p for n, p in named.items() if id(p) in stepped}
         else:
             tensors = {n: p for n, p in named.items() if p.requires_grad}
@@ -229,6 +250,11 @@ class EMA(Plugin):
         weight = 1.0 - self.decay_at(self.num_updates)  # Python numbers only: nothing read from the device
         with torch.no_grad():
             torch._foreach_lerp_(self._averaged, self._sources, weight)
+
+    def named_update(self, ev: OptimizerStepEvent) -> None:
+        """Update after this EMA's optimizer stepped (or after the loop's step of all of them)."""
+        if ev.optimizer is None or ev.optimizer == self.optimizer:
+            self.update(ev)
 
     # -- the averaged weights in the model -------------------------------------------------------
     @property

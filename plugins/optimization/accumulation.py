@@ -139,6 +139,14 @@ class GradientAccumulation(Plugin):
         self._prescaled_source = prescaled if callable(prescaled) else None
 
     def attach(self, engine: Engine) -> None:
+        if engine.step_function is not None and self.steps > 1:
+            raise ConfigError(
+                f"GradientAccumulation({self.steps}): a step function takes one batch per step and steps the "
+                "optimizers itself, and gradients are zeroed after every step; accumulate inside it: give it "
+                f"batches {self.steps}x larger and write `for part in batch.chunk({self.steps}): "
+                f"(loss_of(part) / {self.steps}).backward()`, then engine.step_optimizer(name) (no loss: it steps "
+                "the gradients as they are)"
+            )
         engine.accumulation_steps = self.steps
         self._ddp_handles: list[Any] = []
         self.on(engine, Event.TRAIN_START, self.train_start)

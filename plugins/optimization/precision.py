@@ -120,6 +120,13 @@ class MixedPrecision(Plugin):
         return self.dtype == torch.float16
 
     def attach(self, engine: Engine) -> None:
+        if engine.step_function is not None:
+            raise ConfigError(
+                "MixedPrecision wraps the loop's forward, loss, backward and optimizer-step hooks, and a step function "
+                f"(step={engine.step_function!r:.60}) replaces the forward and loss: run them under "
+                "torch.autocast(device_type, dtype) in your step function (bf16 needs nothing else; for fp16 keep one "
+                "torch.amp.GradScaler per optimizer there, with a plugin of your own whose state_dict() holds them)"
+            )
         device_type = self.device_type or engine.device.type
         if not autocast_supported(device_type, self.dtype):
             name = "fp16" if self.fp16 else "bf16"

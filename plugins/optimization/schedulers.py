@@ -216,6 +216,9 @@ class LRScheduler(Plugin):
         num_warmup_steps, warmup_ratio, scheduler_kwargs: for a named scheduler (see ``create_scheduler``).
         metric: the eval metric a plateau scheduler watches.
         num_training_steps: fixes the schedule length instead of ``state.max_steps``.
+        optimizer: with several optimizers (``Engine(model, {"d": ..., "g": ...})``), the name of the one this
+            schedules: built on it, stepped after its steps only. The plugin is then named ``LRScheduler[g]``, so
+            one schedule per optimizer needs no ``name=``. Required with several optimizers.
 
     Example:
         >>> import torch
@@ -240,7 +243,13 @@ class LRScheduler(Plugin):
         scheduler_kwargs: Mapping[str, Any] | None = None,
         metric: str = "loss",
         num_training_steps: int | None = None,
+        optimizer: str | None = None,
     ) -> None:
+        if optimizer is not None and (not isinstance(optimizer, str) or not optimizer):
+            raise ConfigError(f"optimizer must name one of the engine's optimizers (a str), got {optimizer!r}")
+        self.optimizer = optimizer
+        if optimizer is not None:
+            self.name = f"LRScheduler[{optimizer}]"
         self.scheduler: Scheduler | None = None
         self.scheduler_name: str | None = None
         _check_arguments(scheduler_kwargs, metric, num_training_steps)
@@ -268,19 +277,36 @@ class LRScheduler(Plugin):
     def attach(self, engine: Engine) -> None:
         # built after an optimizer plugin (FIRST would race it), before loggers read the lr
         self.on(engine, Event.TRAIN_START, self.build, priority=Priority.PRODUCER)
+        self._check_named(engine)
         if self.plateau:
             self.on(engine, Event.EVAL_END, self.eval_end, priority=Priority.CONSUMER)
-        else:
+        elif self.optimizer is None:
             self.on(engine, Event.OPTIMIZER_STEP, self.optimizer_step)
+        else:  # a name: the one-optimizer path keeps its handler as it was, with no look at the payload
+            self.on(engine, Event.OPTIMIZER_STEP, self.named_optimizer_step)
+
+    def _check_named(self, engine: Engine) -> Any:
+        """The optimizer this schedules: the named one, else engine.optimizer (refused when there are several)."""
+        optimizers = engine.optimizers
+        if self.optimizer is None:
+            if optimizers and self.scheduler is None:
+                raise ConfigError(f"this engine has several optimizers {list(optimizers)}: give LRScheduler(..., "
+                                  f"optimizer={next(iter(optimizers))!r}), one schedule per optimizer")  # fmt: skip
+            return engine.optimizer
+        if self.optimizer not in optimizers:
+            raise ConfigError(f"LRScheduler(optimizer={self.optimizer!r}): this engine's optimizers are "
+                              f"{list(optimizers)} (Engine(model, {{name: optimizer, ...}}))")  # fmt: skip
+        return optimizers[self.optimizer]
 
     def build(self, ev: TrainStartEvent) -> None:
         engine = ev.engine
         if self.scheduler is None:
-            assert self.scheduler_name is not None and engine.optimizer is not None
+            optimizer = self._check_named(engine)  # type: ignore[arg-type]
+            assert self.scheduler_name is not None and optimizer is not None
             total = self.num_training_steps or engine.state.max_steps
             self.scheduler = create_scheduler(
                 self.scheduler_name,
-                engine.optimizer,
+                optimizer,
                 total,
                 self.num_warmup_steps,
                 self.warmup_ratio,
@@ -293,6 +319,12 @@ class LRScheduler(Plugin):
     def optimizer_step(self, ev: OptimizerStepEvent) -> None:
         assert self.scheduler is not None
         self.scheduler.step()
+
+    def named_optimizer_step(self, ev: OptimizerStepEvent) -> None:
+        """Step after this schedule's optimizer stepped (or the loop's step of all of them)."""
+        if ev.optimizer is None or ev.optimizer == self.optimizer:
+            assert self.scheduler is not None
+            self.scheduler.step()
 
     def eval_end(self, ev: EvalEndEvent) -> None:
         if not isinstance(self.scheduler, ReduceLROnPlateau):
