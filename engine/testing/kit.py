@@ -83,6 +83,12 @@ _TRANSITIONS: dict[str, dict[str, str]] = {
     "OPT0": {"OPTIMIZER_STEP": "OPT1", "STEP_END": "EPOCH1"},
     "OPT1": {"STEP_END": "EPOCH1"},
 }
+#: a step function's window (``Engine(..., step=fn)``): one batch, then each ``engine.step_optimizer`` call
+_USER_STEP: dict[str, dict[str, str]] = {
+    "MICRO1": {"BEFORE_OPTIMIZER_STEP": "USER0", "STEP_END": "EPOCH1"},
+    "USER0": {"OPTIMIZER_STEP": "USER1", "BEFORE_OPTIMIZER_STEP": "USER0", "STEP_END": "EPOCH1"},
+    "USER1": {"BEFORE_OPTIMIZER_STEP": "USER0", "STEP_END": "EPOCH1"},
+}
 _ALLOWS_SIDE = {"TOP", "TRAIN", "EPOCH1"}
 #: the ENDs still open in a state of the automaton, innermost first (what a failure there closes)
 _OPEN_ENDS = {"TOP": (), "TRAIN": ("TRAIN_END",)}
@@ -96,8 +102,13 @@ def _closing(state: str, block: str | None, block_return: str | None) -> list[st
     return ends + list(_OPEN_ENDS.get(outer, ("EPOCH_END", "TRAIN_END")))
 
 
-def check_trace(trace: Sequence[str]) -> None:
-    """Raise TraceError at the first event that breaks the grammar (see the module docstring)."""
+def check_trace(trace: Sequence[str], *, step_function: bool = False) -> None:
+    """Raise TraceError at the first event that breaks the grammar (see the module docstring).
+
+    ``step_function=True``: the trace of an ``Engine(..., step=fn)``, whose windows are
+    ``STEP_START BATCH_START (BEFORE_OPTIMIZER_STEP OPTIMIZER_STEP?)* STEP_END`` (one per ``step_optimizer`` call).
+    """
+    transitions = _TRANSITIONS if not step_function else {**_TRANSITIONS, **_USER_STEP}
     state = "TOP"
     block_return: str | None = None  # where an EVAL / PREDICT block returns to
     block: str | None = None
@@ -128,7 +139,7 @@ def check_trace(trace: Sequence[str]) -> None:
                 block, state = None, "TOP"
                 continue
             raise TraceError(position, name, ["PREDICT_BATCH_END", "PREDICT_END"], trace)
-        allowed = dict(_TRANSITIONS[state])
+        allowed = dict(transitions[state])
         if state in _ALLOWS_SIDE:
             allowed.update({"LOG": state, "SAVE": state, "EVAL_START": state})
         if name not in allowed:
@@ -143,14 +154,14 @@ def check_trace(trace: Sequence[str]) -> None:
         raise TraceError(len(trace), "<end>", [closing[0]], trace)
     if block is not None or state != "TOP":
         expected = (
-            ["EVAL_END"] if block == "EVAL" else ["PREDICT_END"] if block == "PREDICT" else list(_TRANSITIONS[state])
+            ["EVAL_END"] if block == "EVAL" else ["PREDICT_END"] if block == "PREDICT" else list(transitions[state])
         )
         raise TraceError(len(trace), "<end>", expected, trace)
 
 
-def trace_is_valid(trace: Sequence[str]) -> bool:
+def trace_is_valid(trace: Sequence[str], *, step_function: bool = False) -> bool:
     try:
-        check_trace(trace)
+        check_trace(trace, step_function=step_function)
     except TraceError:
         return False
     return True
