@@ -194,13 +194,21 @@ class UserStep(Lifecycle):
         With a loss: its gradients are zeroed, ``loss`` goes through the backward hook. Then BEFORE_OPTIMIZER_STEP
         (clipping; a handler may veto), the optimizer-step hook (False: skipped), OPTIMIZER_STEP, both payloads
         naming the optimizer. ``name`` None: the engine's one optimizer. Without a loss, the gradients are stepped
-        as they are (several ``backward()`` calls of your own).
+        as they are (several ``backward()`` calls of your own). All of it runs outside autocast (MixedPrecision
+        runs the step function under it: forwards only, as torch recommends).
         """
         if self.step_function is None:
             raise ConfigError(f"step_optimizer() is for a step function: {_HOW}")
         optimizer = self.optimizer if name is None else self.optimizers.get(name)
         if optimizer is None or (name is None and isinstance(optimizer, NamedOptimizers)):
             raise ConfigError(f"step_optimizer({name!r}): this engine's optimizers are {list(self.optimizers)}")
+        device_type = self.device.type
+        if torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return self._step_optimizer(name, optimizer, loss)
+        return self._step_optimizer(name, optimizer, loss)
+
+    def _step_optimizer(self, name: str | None, optimizer: Any, loss: torch.Tensor | None) -> bool:
         hooks, state, callers, engine = self.hooks, self.state, self.bus.callers, cast("EngineView", self)
         if loss is not None:
             hooks.zero_grad(optimizer)

@@ -104,9 +104,7 @@ def test_ema_by_name_averages_that_optimizers_parameters_once_per_step() -> None
         gan(plugins=(EMA(0.5),))
 
 
-def test_plugins_that_cannot_serve_a_step_function_name_the_supported_way() -> None:
-    with pytest.raises(ConfigError, match=r"MixedPrecision wraps .* torch\.autocast"):
-        gan(plugins=(MixedPrecision("bf16"),))
+def test_accumulation_cannot_serve_a_step_function_and_names_the_supported_way() -> None:
     with pytest.raises(ConfigError, match=r"GradientAccumulation\(2\): .*batch\.chunk\(2\)"):
         gan(plugins=(GradientAccumulation(2),))
 
@@ -123,3 +121,58 @@ def test_the_loops_own_step_with_named_optimizers_takes_schedules_and_clipping_b
     engine.fit()
     assert optimizers["emb"].param_groups[0]["lr"] == 0.0 and optimizers["head"].param_groups[0]["lr"] == 1e-3
     assert "grad_norm_emb" in engine.step_outputs
+
+
+def test_fp16_under_a_step_function_equals_torchs_amp_recipe_with_one_scaler_bit_for_bit() -> None:
+    """Forwards under autocast, each optimizer's backward / unscale / step / update outside it, one GradScaler."""
+    engine = gan(epochs=2, plugins=(MixedPrecision("fp16", device_type="cpu"),))
+    outside: list[bool] = []
+    engine.on(Event.BEFORE_OPTIMIZER_STEP, lambda ev: outside.append(not torch.is_autocast_enabled("cpu")))
+    engine.fit()
+    assert outside and all(outside)
+
+    reference = gan(epochs=2)  # the same nets, optimizers and loader, stepped by hand
+    g, d = reference.model["g"], reference.model["d"]
+    opt_d, opt_g = reference.optimizers["d"], reference.optimizers["g"]
+    scaler = torch.amp.GradScaler("cpu")
+    bce = torch.nn.BCEWithLogitsLoss()
+
+    def step(optimizer: Any, loss: torch.Tensor) -> None:
+        with torch.autocast("cpu", enabled=False):
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+
+    for _ in range(2):
+        for (x,) in reference.train_data:
+            with torch.autocast("cpu", dtype=torch.float16):
+                fake = g(torch.randn(len(x), 4))
+                step(opt_d, bce(d(x), torch.ones(len(x), 1)) + bce(d(fake.detach()), torch.zeros(len(x), 1)))
+                step(opt_g, bce(d(fake), torch.ones(len(x), 1)))
+            opt_d.zero_grad(set_to_none=True), opt_g.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), reference.model.parameters()))
+    assert engine.get_plugin(MixedPrecision).scaler.state_dict() == scaler.state_dict()
+
+
+def test_mixed_precision_under_a_step_function_resumes_mid_epoch_bit_exact(tmp_path: Path) -> None:
+    def build(out: str) -> Engine:
+        return gan(out, plugins=(MixedPrecision("fp16", device_type="cpu"), LRScheduler("linear", optimizer="g")))
+
+    whole = build(str(tmp_path / "a"))
+    whole.fit()
+    again = build(str(tmp_path / "b"))
+    resume(again, tmp_path / "a" / "checkpoint-6")
+    again.fit()
+    assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), again.model.parameters()))
+    assert whole.get_plugin(MixedPrecision).state_dict() == again.get_plugin(MixedPrecision).state_dict()
+
+
+def test_detaching_mixed_precision_gives_the_step_function_back() -> None:
+    engine = gan(epochs=1)
+    own = engine.step_function
+    engine.add_plugin(MixedPrecision("bf16", device_type="cpu"))
+    assert engine.step_function is not own
+    engine.remove_plugin(MixedPrecision)
+    assert engine.step_function is own

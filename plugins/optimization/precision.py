@@ -10,6 +10,10 @@ bf16 needs no scaling: the plugin only wraps the ``forward`` and ``compute_loss`
   engine fires no OPTIMIZER_STEP and the scheduler does not step either; ``skipped_steps`` counts it.
   Otherwise it calls the inner hook. Then ``scaler.update()`` adjusts the scale.
 
+Under a step function (``Engine(..., step=fn)``) the plugin runs ``fn`` under autocast (the engine runs
+``step_optimizer``'s backward and step outside it) and unscales the optimizer each step names; one scaler
+serves every optimizer, updated after each one's step, as torch's AMP recipe for several optimizers does.
+
 Reading the overflow flag is one host sync per optimizer step; GradScaler.step does the same read,
 and the engine needs a bool to know whether the optimizer stepped.
 """
@@ -114,19 +118,13 @@ class MixedPrecision(Plugin):
         self.skipped_steps = 0
         self._unscaled = False  # unscale_ ran for this step and update() has not yet
         self._pending_scaler: dict[str, Any] | None = None
+        self._step_function: Callable[..., Any] | None = None  # a step function's own, put back at detach
 
     @property
     def fp16(self) -> bool:
         return self.dtype == torch.float16
 
     def attach(self, engine: Engine) -> None:
-        if engine.step_function is not None:
-            raise ConfigError(
-                "MixedPrecision wraps the loop's forward, loss, backward and optimizer-step hooks, and a step function "
-                f"(step={engine.step_function!r:.60}) replaces the forward and loss: run them under "
-                "torch.autocast(device_type, dtype) in your step function (bf16 needs nothing else; for fp16 keep one "
-                "torch.amp.GradScaler per optimizer there, with a plugin of your own whose state_dict() holds them)"
-            )
         device_type = self.device_type or engine.device.type
         if not autocast_supported(device_type, self.dtype):
             name = "fp16" if self.fp16 else "bf16"
@@ -135,8 +133,12 @@ class MixedPrecision(Plugin):
                 f"{name} autocast is not supported on device {device_type!r} by torch {torch.__version__}; try {other}"
             )
         self.device_type = device_type
-        self.wrap_hook(engine, "forward", self._autocast)
-        self.wrap_hook(engine, "compute_loss", self._autocast)
+        if engine.step_function is not None:  # the step function replaces forward and loss: it runs under autocast
+            self._step_function = engine.step_function
+            engine.step_function = self._autocast(engine.step_function)
+        else:
+            self.wrap_hook(engine, "forward", self._autocast)
+            self.wrap_hook(engine, "compute_loss", self._autocast)
         if not self.fp16:
             return
         if self.scaler is None:
@@ -146,8 +148,15 @@ class MixedPrecision(Plugin):
             self._pending_scaler = None
         self.wrap_hook(engine, "backward", self._scaled_backward)
         self.wrap_hook(engine, "optimizer_step", self._scaled_step)
-        self.on(engine, Event.BEFORE_OPTIMIZER_STEP, self.unscale, priority=Priority.FIRST)
+        # a step function's steps name their optimizer: unscale that one (one scaler for all, as torch advises)
+        unscale = self.unscale if engine.step_function is None else self.unscale_named
+        self.on(engine, Event.BEFORE_OPTIMIZER_STEP, unscale, priority=Priority.FIRST)
         self.on(engine, Event.STEP_END, self.step_end, priority=Priority.FIRST)
+
+    def detach(self, engine: Engine) -> None:
+        if self._step_function is not None:
+            engine.step_function, self._step_function = self._step_function, None
+        super().detach(engine)
 
     # -- hook wrappers ---------------------------------------------------------------------------
     def _autocast(self, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -189,6 +198,11 @@ class MixedPrecision(Plugin):
         optimizer = ev.engine.optimizer
         assert optimizer is not None
         self.scaler.unscale_(optimizer)
+        self._unscaled = True
+
+    def unscale_named(self, ev: BeforeOptimizerStepEvent) -> None:
+        name = ev.optimizer
+        self.scaler.unscale_(ev.engine.optimizers[name] if name is not None else ev.engine.optimizer)
         self._unscaled = True
 
     def step_end(self, ev: StepEndEvent) -> None:
