@@ -108,7 +108,8 @@ def test_get_plugin_with_an_unknown_name_raises_and_suggests_the_close_ones() ->
 
 
 def test_engine_log_without_a_logger_keeps_the_records_and_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    engine = toy_engine(CONFIG)
+    toy = toy_engine(CONFIG)  # the kit's toy engine is quiet on purpose: a user's Engine warns
+    engine = Engine(toy.model, toy.optimizer, train_data=toy.train_data, max_epochs=1, loss_fn=torch.nn.MSELoss())
     engine.fit()
     with caplog.at_level(logging.WARNING, logger="trainbus.engine"):
         engine.log({"custom": 1.0})
