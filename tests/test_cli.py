@@ -7,7 +7,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,11 +16,8 @@ from trainbus.plugins.cli.demo import QUICK_EPOCHS, _clear_old_checkpoints, buil
 
 def test_quick_demo_trains_checkpoints_logs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo"
-    started = time.perf_counter()
     assert main(["demo", "--quick", "--output-dir", str(out)]) == 0
-    elapsed = time.perf_counter() - started
     printed = capsys.readouterr().out
-    assert elapsed < 10, f"quick demo took {elapsed:.1f} s"
 
     match = re.search(r"test accuracy\s+([0-9.]+)", printed)
     assert match is not None, printed
