@@ -10,7 +10,16 @@ import torch
 
 from tests.optim35_gan import gan
 from trainbus.engine import ConfigError, Engine, Event, Priority
-from trainbus.plugins import EMA, GradientAccumulation, GradientClipping, LRScheduler, MixedPrecision, resume
+from trainbus.plugins import (
+    EMA,
+    SWA,
+    GradientAccumulation,
+    GradientClipping,
+    LRScheduler,
+    MixedPrecision,
+    SkipNonFinite,
+    resume,
+)
 
 
 def _norm(optimizer: Any) -> float:
@@ -104,7 +113,11 @@ def test_ema_by_name_averages_that_optimizers_parameters_once_per_step() -> None
         gan(plugins=(EMA(0.5),))
 
 
-def test_accumulation_cannot_serve_a_step_function_and_names_the_supported_way() -> None:
+def test_plugins_that_cannot_serve_several_optimizers_name_the_supported_way() -> None:
+    with pytest.raises(ConfigError, match=r"SWA .* several \['d', 'g'\]: .*EMA\(optimizer=name\)"):
+        gan(plugins=(SWA(start_epoch=1),))
+    with pytest.raises(ConfigError, match=r"SkipNonFinite .* several optimizers \['d', 'g'\]: veto .* ev\.skip"):
+        gan(plugins=(SkipNonFinite(sync=True),))
     with pytest.raises(ConfigError, match=r"GradientAccumulation\(2\): .*batch\.chunk\(2\)"):
         gan(plugins=(GradientAccumulation(2),))
 

@@ -186,6 +186,12 @@ class SWA(Plugin):
 
     # -- wiring ----------------------------------------------------------------------------------
     def attach(self, engine: Engine) -> None:
+        if engine.optimizers:
+            raise ConfigError(
+                f"SWA drives one optimizer's learning rate (SWALR) and averages the whole model; this engine has "
+                f"several {list(engine.optimizers)}: average one network with torch.optim.swa_utils.AveragedModel "
+                "in a plugin of your own, or use EMA(optimizer=name), which serves one named optimizer"
+            )
         self._engine = engine
         # last: an optimizer plugin may build the optimizer, a schedule may restore its lr (PRODUCER)
         self.on(engine, Event.TRAIN_START, self._train_start, priority=Priority.LAST)
@@ -277,11 +283,7 @@ class SWA(Plugin):
 
     def _step_start(self, ev: StepStartEvent) -> None:
         optimizer = ev.engine.optimizer
-        if (
-            self.scheduler is None
-            and optimizer is not None
-            and ev.engine.state.optimizer_steps_taken + 1 >= self.start
-        ):
+        if self.scheduler is None and optimizer is not None and ev.engine.state.optimizer_steps_taken + 1 >= self.start:
             self._build_scheduler(optimizer)
 
     def _optimizer_step(self, ev: OptimizerStepEvent) -> None:

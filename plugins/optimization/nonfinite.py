@@ -97,6 +97,12 @@ class SkipNonFinite(Plugin):
         self._across_ranks = False  # the flag is all-reduced: losses checked, several processes
 
     def attach(self, engine: Engine) -> None:
+        if engine.optimizers:
+            raise ConfigError(
+                f"SkipNonFinite skips the one optimizer step of a window and takes back its schedule; this engine has "
+                f"several optimizers {list(engine.optimizers)}: veto a step with a BEFORE_OPTIMIZER_STEP handler "
+                "(ev.optimizer names it; set ev.skip = True when its gradients are not finite)"
+            )
         if engine.optimizer is not None:
             self._check_optimizer(engine.optimizer)
         self.on(engine, Event.TRAIN_START, self.train_start, priority=Priority.LAST)  # after optimizer / scheduler
