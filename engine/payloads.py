@@ -9,7 +9,7 @@ Payloads are built only when the event has handlers, so they cost nothing on a s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -149,16 +149,18 @@ class BeforeOptimizerStepEvent(Payload):
     Not yet: the step, and ``state.global_step`` still counts the steps before this one.
 
     Under a step function (``Engine(..., step=fn)``) it fires at every ``engine.step_optimizer(name, loss)``,
-    after that loss's backward, once per optimizer the function steps.
+    after that loss's backward, once per optimizer the function steps. ``payload.optimizer`` is the name of the
+    optimizer about to step (``Engine(model, {"d": ..., "g": ...})``), None for the loop's own step of
+    ``engine.optimizer``; plugins given ``optimizer="g"`` act on theirs only. It is a class attribute here, a
+    field of ``NamedBeforeOptimizerStepEvent`` (what ``step_optimizer`` fires), so the loop's own payload costs
+    nothing more per step.
 
     Attributes:
         skip: a handler sets True to veto this optimizer step (the window still counts as a step).
-        optimizer: the name of the optimizer about to step (``Engine(model, {"d": ..., "g": ...})``); None for
-            the loop's own step of ``engine.optimizer``. Plugins given ``optimizer="g"`` act on theirs only.
     """
 
     skip: bool = False
-    optimizer: str | None = None
+    optimizer: ClassVar[str | None] = None
 
 
 @dataclass(eq=False, slots=True)
@@ -166,14 +168,27 @@ class OptimizerStepEvent(Payload):
     """Fires only when the optimizer really stepped (not vetoed, no AMP overflow); schedulers step here.
 
     ``state.optimizer_steps_taken`` already counts it; ``state.global_step`` does not yet. Under a step
-    function it fires once per optimizer that stepped (``optimizer`` names it), and ``optimizer_steps_taken``
-    counts the window once, at its first.
-
-    Attributes:
-        optimizer: the name of the optimizer that stepped; None for the loop's own step of ``engine.optimizer``.
+    function it fires once per optimizer that stepped, and ``optimizer_steps_taken`` counts the window once, at
+    its first. ``payload.optimizer`` names the optimizer that stepped, None for the loop's own step of
+    ``engine.optimizer`` (a class attribute here, a field of ``NamedOptimizerStepEvent``, what
+    ``step_optimizer`` fires).
     """
 
-    optimizer: str | None = None
+    optimizer: ClassVar[str | None] = None
+
+
+@dataclass(eq=False, slots=True)
+class NamedBeforeOptimizerStepEvent(BeforeOptimizerStepEvent):
+    """BEFORE_OPTIMIZER_STEP as ``engine.step_optimizer(name, loss)`` fires it: ``optimizer`` names the optimizer."""
+
+    optimizer: str | None = None  # type: ignore[misc]  # the base's class attribute, a field here
+
+
+@dataclass(eq=False, slots=True)
+class NamedOptimizerStepEvent(OptimizerStepEvent):
+    """OPTIMIZER_STEP as ``engine.step_optimizer(name, loss)`` fires it: ``optimizer`` names the optimizer."""
+
+    optimizer: str | None = None  # type: ignore[misc]  # the base's class attribute, a field here
 
 
 @dataclass(eq=False, slots=True)

@@ -27,18 +27,17 @@ from trainbus.hooks import Hooks
 from .errors import ConfigError, check_callable
 from .events import (
     BatchStartEvent,
-    BeforeOptimizerStepEvent,
     EpochEndEvent,
     EpochStartEvent,
     Event,
     EventType,
-    OptimizerStepEvent,
     P,
     StepEndEvent,
     StepStartEvent,
 )
 from .inputs import check_optimizer
 from .lifecycle import Lifecycle
+from .payloads import NamedBeforeOptimizerStepEvent, NamedOptimizerStepEvent
 from .signatures import describe_callable
 from .state import Control, State
 
@@ -214,7 +213,7 @@ class UserStep(Lifecycle):
             hooks.zero_grad(optimizer)
             hooks.backward(loss)
         if call := callers[_BEFORE_OPTIMIZER_STEP]:
-            check = BeforeOptimizerStepEvent(engine, optimizer=name)
+            check = NamedBeforeOptimizerStepEvent(engine, optimizer=name)
             call(check, state.global_step + 1)
             if check.skip:
                 return False
@@ -224,7 +223,7 @@ class UserStep(Lifecycle):
             self._stepped = True
             state.optimizer_steps_taken += 1
         if call := callers[_OPTIMIZER_STEP]:
-            call(OptimizerStepEvent(engine, optimizer=name), state.optimizer_steps_taken)
+            call(NamedOptimizerStepEvent(engine, optimizer=name), state.optimizer_steps_taken)
         return True
 
     def _run_user_epoch(self, max_steps: int, steps_per_epoch: int | None) -> None:

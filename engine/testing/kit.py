@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ..bus import Priority
 from ..events import END_EVENTS, Event
 from ..loop import Engine
+from ..payloads import NamedBeforeOptimizerStepEvent, NamedOptimizerStepEvent
 from ..plugin import Plugin
 
 
@@ -45,6 +46,8 @@ class EventRecorder(Plugin):
 
 
 _EVENT_OF_PAYLOAD = {event.payload_type: event.name for event in Event.ALL}
+_EVENT_OF_PAYLOAD[NamedBeforeOptimizerStepEvent] = "BEFORE_OPTIMIZER_STEP"  # a step function's steps
+_EVENT_OF_PAYLOAD[NamedOptimizerStepEvent] = "OPTIMIZER_STEP"
 
 
 class TraceError(AssertionError):
