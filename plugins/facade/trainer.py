@@ -285,6 +285,7 @@ class Trainer(
             self.optimizer = None
         if fresh_model or args_snapshot(self.args) != self._composed_for:
             self._compose_again()
+        self._rebuild_named_schedule()  # HF drops a schedule it built at every train(): the new run gets its own
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         # HF makes the train dataloader here, in train(): a subclass's get_train_dataloader sees the

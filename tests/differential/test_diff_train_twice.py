@@ -1,0 +1,43 @@
+"""``train()`` called twice on one Trainer: the second run gets a new learning-rate schedule, as transformers'
+(it drops a schedule it built itself at every ``train()`` and builds one for the new run), while the
+optimizer and the weights go on from the first run. A schedule the script gave stays the script's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from hf_diff import Impl, assert_same_logs, assert_same_weights, regression_trainer, run_both
+
+
+def _twice(impl: Impl, workdir: Path, given_schedule: bool = False) -> dict[str, Any]:
+    torch.manual_seed(0)
+    trainer = regression_trainer(
+        impl, workdir, learning_rate=0.1, max_steps=4, logging_steps=1, warmup_steps=1, save_strategy="no",
+        per_device_train_batch_size=16,
+    )  # fmt: skip
+    if given_schedule:
+        optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.1)
+        trainer.optimizer = optimizer
+        trainer.lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    trainer.train()
+    first = list(trainer.state.log_history)
+    trainer.train()
+    return {"logs": first + trainer.state.log_history, "model": trainer.model}
+
+
+def test_a_second_train_gets_a_new_schedule(tmp_path: Path) -> None:
+    hf, tb = run_both(_twice, tmp_path)
+    rates = [record["learning_rate"] for record in tb["logs"] if "learning_rate" in record]
+    assert rates[4:] == rates[:4] and rates[1] == 0.1, rates  # warmup then linear decay, both runs
+    assert_same_logs(hf["logs"], tb["logs"])
+    assert_same_weights(hf["model"], tb["model"])
+
+
+def test_a_given_schedule_goes_on(tmp_path: Path) -> None:
+    hf, tb = run_both(lambda impl, workdir: _twice(impl, workdir, given_schedule=True), tmp_path)
+    rates = [record["learning_rate"] for record in tb["logs"] if "learning_rate" in record]
+    assert rates == [0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025], rates
+    assert_same_logs(hf["logs"], tb["logs"])
+    assert_same_weights(hf["model"], tb["model"])
