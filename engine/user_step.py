@@ -200,6 +200,9 @@ class UserStep(Lifecycle):
             raise ConfigError(f"step_optimizer() is for a step function: {_HOW}")
         optimizer = self.optimizer if name is None else self.optimizers.get(name)
         if optimizer is None or (name is None and isinstance(optimizer, NamedOptimizers)):
+            if not self.optimizers:
+                raise ConfigError(f"step_optimizer({name!r}): this engine has one optimizer, without a name: call "
+                                  "engine.step_optimizer(loss=loss)")  # fmt: skip
             raise ConfigError(f"step_optimizer({name!r}): this engine's optimizers are {list(self.optimizers)}")
         device_type = self.device.type
         if torch.is_autocast_enabled(device_type):

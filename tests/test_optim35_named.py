@@ -152,3 +152,27 @@ def test_the_single_optimizer_hot_path_is_unchanged() -> None:
     assert engine.step_function is None and engine.optimizers == {}
     with tempfile.TemporaryDirectory():
         assert engine.fit().optimizer_steps_taken == 1
+
+
+def test_a_step_function_with_one_optimizer_steps_it_unnamed_and_schedules_follow() -> None:
+    """Two views of a batch, one optimizer (a SimCLR-like step): step_optimizer(loss=...) with no name."""
+    from trainbus.plugins import LRScheduler
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    data = [(torch.randn(4, 2),) for _ in range(3)]
+
+    def two_views(engine: Any, batch: Any) -> torch.Tensor:
+        (x,) = batch
+        loss = (model(x + 0.1) - model(x - 0.1)).pow(2).mean() + model(x).pow(2).mean()
+        assert engine.step_optimizer(loss=loss)
+        return loss
+
+    engine = Engine(model, torch.optim.SGD(model.parameters(), 0.1), train_data=data, max_epochs=2, step=two_views,
+                    plugins=[LRScheduler("linear")])  # fmt: skip
+    state = engine.fit()
+    assert state.global_step == state.optimizer_steps_taken == 6
+    assert engine.optimizer.param_groups[0]["lr"] == 0.0
+    assert engine.step_outputs["output"].grad_fn is None
+    with pytest.raises(ConfigError, match=r"step_optimizer\('d'\): this engine has one optimizer, without a name"):
+        engine.step_optimizer("d")
