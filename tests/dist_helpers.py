@@ -23,6 +23,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from trainbus.plugins.distributed.processes import close_group
+
 TOL = 1e-10  # the jobs run in float64: one process and several agree this closely
 TIMED = ("runtime", "per_second")  # log keys that measure time, not training
 
@@ -109,9 +111,7 @@ def run_job_main(jobs: dict[str, Callable[[Path], Any]], argv: list[str]) -> Non
     result = jobs[job](root)
     rank = int(os.environ.get("RANK", "0"))
     (root / f"{job}-rank{rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # no rank tears the group down while another still talks to it
-        torch.distributed.destroy_process_group()
+    close_group()  # as a user's script ends: every rank waits, and gloo's exit cannot abort (processes.py)
 
 
 # -- their results, compared -----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from ignite.metrics import Accuracy, ConfusionMatrix, Fbeta, Loss, Precision, Re
 from sklearn.metrics import confusion_matrix, f1_score, precision_score, recall_score, top_k_accuracy_score
 
 from trainbus.engine import ConfigError, Engine
+from trainbus.plugins.distributed.processes import close_group
 from trainbus.plugins.evaluation.collector import EvalCollector, EvalPrediction
 from trainbus.plugins.evaluation.metrics import IgniteMetrics
 
@@ -207,8 +208,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         result = [_evaluate(rank, world, batch_size) for batch_size in DIST_BATCHES]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        close_group()  # every rank waits, and gloo's threads cannot abort the exit (processes.py)
     finally:
-        state.destroy_process_group()
+        state.destroy_process_group()  # failed before close_group (the group is gone otherwise)
 
 
 def test_two_process_eval_equals_single_process(tmp_path: Path) -> None:

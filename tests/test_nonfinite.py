@@ -17,6 +17,7 @@ from op_recorder import OpRecorder
 from trainbus.engine import ConfigError, Engine, Event, Priority
 from trainbus.engine.testing import count_syncs, everything_but
 from trainbus.plugins.checkpoints.checkpoint import Checkpointing, resume
+from trainbus.plugins.distributed.processes import close_group
 from trainbus.plugins.facade.arguments import TrainingArguments
 from trainbus.plugins.facade.trainer import Trainer
 from trainbus.plugins.observability.debug import UnderflowOverflowDebug
@@ -309,9 +310,10 @@ def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
         params = [p.detach().reshape(-1).tolist() for p in ddp.module.parameters()]
         result = {"params": params, "skipped": skip.skipped_steps, "taken": engine.state.optimizer_steps_taken}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()  # neither rank tears the group down while the other still uses it
+        close_group()  # every rank waits, and gloo's threads cannot abort the exit (processes.py)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # failed before close_group: the other rank may never reach a barrier
+            dist.destroy_process_group()
 
 
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ and wrapped the model in DDP themselves must get the same exact losses and check
 from __future__ import annotations
 
 import atexit
+import ctypes
 import sys
 from types import TracebackType
 from typing import Any
@@ -87,12 +88,42 @@ def collective_device() -> torch.device:
 _closing = {"registered": False, "crashed": False}
 
 
-def close_group_at_exit() -> None:
-    """At a clean interpreter exit, wait for every rank and destroy the process group.
+def close_group() -> None:
+    """The end of a multi-process run: wait for every rank, then destroy the default process group.
 
-    A script that ends without ``destroy_process_group`` lets one rank tear gloo down while another
-    still talks to it, and gloo aborts that rank (SIGABRT) after a run that went well. After an
-    uncaught exception the barrier is skipped: the other ranks may never arrive.
+    Call it (``Trainer.end()`` does) where a script would call ``destroy_process_group``: unlike that, it
+    makes the exit safe from gloo's abort (``_last_barrier``). A no-op without a group.
+    """
+    if dist.is_available() and dist.is_initialized():
+        _last_barrier()
+        dist.destroy_process_group()
+
+
+def _last_barrier() -> None:
+    """A barrier, the group's last collective, whose work this process keeps until it ends.
+
+    gloo runs each collective on one of the group's worker threads, which drops its reference to the finished
+    work only after the caller has been woken and moved on. The work holds its tensors (and a barrier, weakly,
+    every work in progress when it was issued); freeing a tensor made in Python takes the GIL. When that
+    happens after the interpreter began finalizing (a worker delayed on a loaded machine, with the group still
+    held past ``destroy_process_group`` by a DDP module or a trainer), Python ends the thread inside the
+    destructor and the process aborts: SIGABRT, "terminate called without an active exception". A barrier
+    snapshots, under the lock the workers release their works with, every work in progress or queued; kept
+    alive (one object, never freed), it frees none of them, so no worker thread frees a tensor after this.
+    """
+    work = dist.barrier(async_op=True)
+    work.wait()
+    # a Python reference alone could be dropped while finalizing, before a delayed worker drops its own
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+
+
+def close_group_at_exit() -> None:
+    """At a clean interpreter exit, ``close_group``: wait for every rank and destroy the process group.
+
+    A script that ends without closing the group lets one rank tear it down while another still talks to it,
+    and leaves gloo's worker threads running into the interpreter's finalization (``_last_barrier``); either
+    can abort a rank (SIGABRT) after a run that went well. After an uncaught exception the group is only
+    destroyed: the other ranks may never arrive at a barrier.
     """
     if _closing["registered"]:
         return
@@ -110,9 +141,10 @@ def close_group_at_exit() -> None:
 def _close_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if not _closing["crashed"]:
-        dist.barrier()
-    dist.destroy_process_group()
+    if _closing["crashed"]:
+        dist.destroy_process_group()
+    else:
+        close_group()
 
 
 __all__ = [
@@ -120,6 +152,7 @@ __all__ = [
     "all_reduce_sum",
     "barrier",
     "broadcast_from_main",
+    "close_group",
     "close_group_at_exit",
     "collective_device",
     "gather_to_main",

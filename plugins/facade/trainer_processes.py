@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..distributed.processes import close_group
 from ..observability.tracker_base import TrackerSink
 
 
@@ -48,4 +49,6 @@ class TrainerProcesses:
             if isinstance(plugin, TrackerSink):
                 plugin._finish()  # runs finish at train end already; one an evaluate() reopened finishes here
         if self.distributed is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            self.accelerator.end_training()
+            accelerator = self.accelerator  # made before the group goes: made after, it would make a new one
+            close_group()  # every rank waits, and gloo's threads free nothing once the interpreter is finalizing
+            accelerator.end_training()  # accelerate's trackers; the group is destroyed already
