@@ -3,132 +3,89 @@
 transformers checkpoints the model, optimizer, scheduler, RNG and trainer state, so a subclass that keeps
 state of its own (a distillation ``compute_loss``'s moving-average teacher or step counter, a multi-task
 subclass's learned loss weights, an adversarial ``training_step``'s noise generator) resumes as if that
-state were new. The attributes a subclass's own code assigns (``self.name = ...``, ``self.name += ...``,
-``setattr(self, "name", ...)`` in the script's classes, not transformers' or trainbus's) are read from
-its source; ``AttributeState`` saves those that changed and restores them on resume.
+state were new. Which attributes are the subclass's is observed, not read from its source: a script's
+subclass gets a ``__setattr__`` (installed when the class is made, ``TrainerScriptState``) that notes
+each name the script's own code assigns (``self.name = ...``, ``setattr(self, ...)``, before or after
+``super().__init__``), and never one that transformers', TRL's or trainbus's code assigns. ``AttributeState``
+saves those that changed and restores them on resume.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
-import warnings
+import sys
 from typing import Any
 
 from ..checkpoints.attribute_state import AttributeState
 
-__all__ = ["SubclassState", "assigned_attributes", "subclass_state"]
+__all__ = ["SubclassState", "TrainerScriptState", "record_script_assignments", "script_classes", "subclass_state"]
 
 #: packages whose Trainer subclasses are not the script's (their state is theirs to keep)
-_LIBRARIES = ("transformers", "trl", "trainbus", "peft", "builtins")
+_LIBRARIES = ("transformers", "trl", "trainbus", "peft", "accelerate", "torch", "builtins")
+#: the instance attribute holding the names the script's code assigned (in assignment order)
+_ASSIGNED = "_trainbus_script_attributes"
 
 
 class SubclassState(AttributeState):
     """``AttributeState`` over a Trainer subclass's own attributes (its name in checkpoints)."""
 
 
+def _is_library(module: str) -> bool:
+    return module.split(".")[0] in _LIBRARIES
+
+
 def script_classes(cls: type) -> list[type]:
     """The classes of ``cls``'s hierarchy that the script defines (not transformers', TRL's, trainbus's...)."""
-    return [k for k in cls.__mro__ if k.__module__.split(".")[0] not in _LIBRARIES]
+    return [k for k in cls.__mro__ if not _is_library(k.__module__)]
 
 
 def library_names(cls: type) -> set[str]:
     """The names the library classes of ``cls``'s hierarchy declare (``model``, ``optimizer``, ``args``...)."""
     names: set[str] = set()
     for klass in cls.__mro__:
-        if klass.__module__.split(".")[0] in _LIBRARIES:
+        if _is_library(klass.__module__):
             names |= set(vars(klass)) | set(getattr(klass, "__annotations__", {}))
     return names
 
 
-def assigned_attributes(klass: type) -> list[str] | None:
-    """The attribute names ``klass``'s methods assign on ``self``; None when a method's source cannot be read.
+def record_script_assignments(cls: type) -> None:
+    """Give a script's Trainer subclass a ``__setattr__`` that notes the names its own code assigns.
 
-    Each method is read on its own (a class made with ``type(...)`` has no source, its functions do).
+    Only script classes get it (a plain Trainer's attribute writes stay as they are); a class defining its own
+    ``__setattr__`` is wrapped too, and a subclass of an already recording class keeps the one it inherits.
     """
-    names: list[str] = []
-    for member in vars(klass).values():
-        for function in _functions(member):
-            try:
-                tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-            except OSError:
-                return None
-            except (TypeError, SyntaxError):  # a lambda's line: it assigns nothing on self
-                continue
-            names += _assigned(tree)
-    return list(dict.fromkeys(names))
+    if _is_library(cls.__module__) or getattr(cls.__setattr__, "_records_script", False):
+        return
+    inner: Any = cls.__setattr__
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if not _is_library(caller):  # the script's code (a setattr() call has no frame of its own)
+            self.__dict__.setdefault(_ASSIGNED, {})[name] = None
+        inner(self, name, value)
+
+    __setattr__._records_script = True  # type: ignore[attr-defined]
+    cls.__setattr__ = __setattr__  # type: ignore[method-assign,assignment]
 
 
-def _functions(member: Any) -> list[Any]:
-    if isinstance(member, staticmethod | classmethod):
-        member = member.__func__
-    if isinstance(member, property):
-        return [f for f in (member.fget, member.fset, member.fdel) if inspect.isfunction(f)]
-    return [member] if inspect.isfunction(member) else []
+class TrainerScriptState:
+    """A mixin of ``Trainer``: every subclass a script makes records what its code assigns on ``self``."""
 
-
-def _assigned(tree: ast.AST) -> list[str]:
-    names: list[str] = []
-    for function in ast.walk(tree):
-        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) or not function.args.args:
-            continue
-        me = function.args.args[0].arg
-        for node in ast.walk(function):
-            for target in _targets(node):
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == me:
-                    names.append(target.attr)
-            if _is_setattr_on(node, me):
-                names.append(node.args[1].value)  # type: ignore[attr-defined]
-    return names
-
-
-def _targets(node: ast.AST) -> list[ast.expr]:
-    if isinstance(node, ast.Assign):
-        found: list[ast.expr] = []
-        for target in node.targets:
-            found += target.elts if isinstance(target, ast.Tuple | ast.List) else [target]
-        return found
-    if isinstance(node, ast.AugAssign | ast.AnnAssign):
-        return [node.target]
-    return []
-
-
-def _is_setattr_on(node: ast.AST, me: str) -> bool:
-    return (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id == "setattr"
-        and len(node.args) >= 2
-        and isinstance(node.args[0], ast.Name)
-        and node.args[0].id == me
-        and isinstance(node.args[1], ast.Constant)
-        and isinstance(node.args[1].value, str)
-    )
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        record_script_assignments(cls)
 
 
 def subclass_state(trainer: Any) -> SubclassState | None:
     """The plugin for ``trainer``'s script classes (None for transformers' own Trainer classes and trainbus's).
 
     Names the base Trainer declares (``model``, ``optimizer``, ``args``...) are the base's: the checkpoint has them.
-    A class whose source cannot be read is named in a warning: what it keeps on ``self`` is not checkpointed.
+    The names are read at each save, so an attribute the script first assigns mid-run is kept too.
     """
-    classes = script_classes(type(trainer))
-    if not classes:
+    if not script_classes(type(trainer)):
         return None
     declared = library_names(type(trainer))
-    names: list[str] = []
-    for klass in classes:
-        found = assigned_attributes(klass)
-        if found is None:
-            warnings.warn(
-                f"the source of {klass.__qualname__}'s methods cannot be read, so the state it keeps on self is not "
-                "checkpointed: a resume may differ from the uninterrupted run",
-                stacklevel=4,
-            )
-            continue
-        names += [n for n in found if n not in declared]
-    if not names:
-        return None
-    kept = list(dict.fromkeys(names))
-    return SubclassState(trainer, lambda: kept, type(trainer).__name__)
+
+    def names() -> list[str]:
+        return [n for n in trainer.__dict__.get(_ASSIGNED, ()) if n not in declared]
+
+    return SubclassState(trainer, names, type(trainer).__name__)

@@ -58,6 +58,7 @@ from .optimizer_setup import TrainerOptimizers
 from .saving import save_model as save_final_model
 from .search import hyperparameter_search as _hyperparameter_search
 from .step_hooks import TrainerStepHooks
+from .subclass_state import TrainerScriptState
 from .subclass_surface import MemoryTracker, TrainerInternals
 from .trainer_checks import check_eval_set, check_model, check_train_kwargs, check_trainer_arguments, model_from_init
 from .trainer_processes import TrainerProcesses
@@ -65,6 +66,7 @@ from .utilities import FlosThroughTrainer, TrainerUtilities
 
 
 class Trainer(
+    TrainerScriptState,
     TrainerProcesses,
     TrainerCheckpointing,
     TrainerInternals,
@@ -139,14 +141,9 @@ class Trainer(
         self._train_batch_size = args.train_batch_size  # auto_find_batch_size may lower it
         max_epochs, max_steps = self._plan_length(None)
         super().__init__(
-            model,
-            optimizers[0],
-            train_data=None,
-            max_epochs=max_epochs,
-            max_steps=max_steps,
-            device=args.device,
+            model, optimizers[0], train_data=None, max_epochs=max_epochs, max_steps=max_steps, device=args.device,
             label_names=self.label_names_arg,
-        )
+        )  # fmt: skip
         self.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # HF: the window being trained
         self._prediction_loss_only, self._ignore_keys = args.prediction_loss_only, None
         self._install_step_hooks()
