@@ -45,8 +45,10 @@ from ..optimization.schedulers import LRScheduler
 from .grad_norm import NAMES as GRAD_NORM_METHODS
 from .grad_norm import ClippingThroughTrainer, check_grad_norm_overrides
 from .log_save_evaluate import LogSaveEvaluate, StepEndLogger, check_step_end_override
+from .loss_protocol import unwrap_model
 from .model_folder import checkpoint_extras
 from .subclass_state import subclass_state
+from .subclass_surface import is_multi_label
 
 
 class TrainOutput(NamedTuple):
@@ -155,7 +157,7 @@ def _step_plugins(trainer: Any, args: TrainingArguments, scheduler: Any) -> list
     plugins.append(ScheduleFreeModes())  # acts only on optimizers with train() / eval(), as in HF
     if optim.fused_backward:
         plugins.append(FusedBackward())
-    if args.label_smoothing_factor and not own_loss:
+    if args.label_smoothing_factor and not own_loss and not is_multi_label(unwrap_model(trainer.model)):
         plugins.append(LabelSmoothing(args.label_smoothing_factor))
     if args.neftune_noise_alpha is not None:
         plugins.append(NEFTune(args.neftune_noise_alpha))

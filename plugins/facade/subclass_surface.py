@@ -21,6 +21,7 @@ import functools
 import inspect
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +41,11 @@ def _can_return_loss(model: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return parameter is not None and parameter.default is True
+
+
+def is_multi_label(model: Any) -> bool:
+    """transformers' rule: label smoothing is off for a model whose config says multi-label classification."""
+    return getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification"
 
 
 class LabelSmoother:
@@ -109,9 +115,14 @@ class TrainerInternals:
         args, model = self.args, unwrap_model(self.model)
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.neftune_noise_alpha = args.neftune_noise_alpha
-        smoothing = args.label_smoothing_factor != 0 and (
-            getattr(getattr(model, "config", None), "problem_type", None) != "multi_label_classification"
-        )
+        smoothing = args.label_smoothing_factor != 0 and not is_multi_label(model)
+        if args.label_smoothing_factor != 0 and not smoothing:  # transformers' words, at construction
+            warnings.warn(
+                "Label smoothing is not compatible with multi-label classification. "
+                "Disabling label smoothing for this training run.",
+                UserWarning,
+                stacklevel=3,
+            )
         self.label_smoother = LabelSmoother(args.label_smoothing_factor) if smoothing else None
         self.can_return_loss = _can_return_loss(model)
         self._loss_shifts_labels = loss_shifts_labels(model)  # trainbus's count (GPT-2 included: see loss_protocol)

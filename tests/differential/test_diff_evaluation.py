@@ -288,3 +288,39 @@ def test_label_smoothing__mirrors_test_label_smoothing(tmp_path):
     tb_losses = [r["loss"] for r in tb.state.log_history if "loss" in r]
     rounding = max(map(hf_release.loss_tolerance, hf_losses))  # 4.x logs round(loss, 4)
     np.testing.assert_allclose(tb_losses, hf_losses, rtol=1e-5, atol=rounding)
+
+
+class _MultiLabel(_Classifier):
+    """transformers' multi-label head: float targets, a binary cross-entropy; its config says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(problem_type="multi_label_classification")
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        return out
+
+
+def test_label_smoothing_off_for_multi_label__mirrors_test_label_smoothing_multi_label_incompatibility(tmp_path):
+    """transformers warns at construction and trains without smoothing; so does trainbus (same words)."""
+    g = torch.Generator().manual_seed(6)
+    xs, ys = torch.randn(16, 4, generator=g), (torch.rand(16, 3, generator=g) > 0.5).float()
+    data = [{"x": xs[i], "labels": ys[i]} for i in range(16)]
+
+    def scenario(impl, d):
+        args = impl.args(d, label_smoothing_factor=0.1, logging_steps=1, max_steps=2, learning_rate=0.1)
+        with pytest.warns(UserWarning, match="Label smoothing is not compatible with multi-label classification"):
+            trainer = impl.Trainer(_MultiLabel(), args, train_dataset=data)
+        trainer.train()
+        return trainer
+
+    hf, tb = run_both(scenario, tmp_path)
+    assert hf.label_smoother is None and tb.label_smoother is None
+    hf_losses = [r["loss"] for r in hf.state.log_history if "loss" in r]
+    tb_losses = [r["loss"] for r in tb.state.log_history if "loss" in r]
+    rounding = max(map(hf_release.loss_tolerance, hf_losses))
+    np.testing.assert_allclose(tb_losses, hf_losses, rtol=1e-5, atol=rounding)
