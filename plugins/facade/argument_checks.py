@@ -35,7 +35,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "push_to_hub": (False, "trainbus never uploads"),
     "hub_token": (None, "trainbus never talks to the Hub"),
     "hub_model_id": (None, "trainbus never uploads"),
-    "hub_strategy": ("every_save", "trainbus never uploads"),
     "hub_always_push": (False, "trainbus never uploads"),
     "hub_revision": (None, "trainbus never uploads"),
     "parallelism_config": (None, "trainbus has no tensor, context or sequence parallelism (use fsdp or deepspeed)"),
@@ -303,6 +302,10 @@ def check_compile_settings(args: Any) -> None:
     if args.torch_compile and args.torch_compile_backend is None:
         args.torch_compile_backend = "inductor"  # HF's default backend (torch.compile's too)
     check_compile_mode(args.torch_compile_mode, "torch_compile_mode")
+
+
+#: HF's hub_strategy values (HubStrategy)
+HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 
 
 def one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -30,6 +30,7 @@ from ..optimization.optimizer_names import check_optim
 from .accelerator_config import parse_accelerator_config
 from .argument_checks import (
     DDP_BACKENDS,
+    HUB_STRATEGIES,
     LOG_LEVELS,
     UNSUPPORTED,
     check_compile_settings,
@@ -137,6 +138,8 @@ class TrainingArguments(ProcessArguments):
     # HF's annotation: HfArgumentParser reads a str (a bool in the Union would not parse); False = no static Space
     trackio_static_space_id: str | None | Literal[False] = None  # noqa: RUF036
     hub_private_repo: bool | None = None
+    # HF's upload schedule; nothing is uploaded (push_to_hub stays False), so any of HF's values changes nothing
+    hub_strategy: str = "every_save"
     eval_strategy: str = "no"
     eval_steps: float | None = None
     eval_delay: float = 0
@@ -215,6 +218,7 @@ class TrainingArguments(ProcessArguments):
             setattr(self, name, dict_argument(name, getattr(self, name)))  # CLI JSON, as HF parses it
         self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
         check_compile_settings(self)
+        one_of("hub_strategy", self.hub_strategy, HUB_STRATEGIES)
         if self.use_cpu:
             self.dataloader_pin_memory = False  # HF: nothing is pinned for a CPU run
         check_numbers(self)

@@ -73,7 +73,7 @@ def test_loaders_tell_total_batch_size__mirrors_test_train_and_eval_dataloaders(
 
 
 def test_derived_argument_values__mirrors_test_training_args(tmp_path):
-    """test_torch_compile_auto_enable (the default backend),
+    """test_enum_coercions (hub_strategy), test_torch_compile_auto_enable (the default backend),
     test_use_cpu_disables_pin_memory, test_dtype_to_json (a subclass's torch.dtype field in to_dict)."""
 
     def scenario(impl, d):
@@ -81,17 +81,21 @@ def test_derived_argument_values__mirrors_test_training_args(tmp_path):
         class WithDtype(impl.TrainingArguments):
             dtype: torch.dtype = dataclasses.field(default=torch.float32)
 
+        hub = impl.TrainingArguments(str(d), hub_strategy="end", report_to="none")
         compiled = impl.TrainingArguments(str(d), torch_compile=True, report_to="none")
         cpu = impl.TrainingArguments(str(d), use_cpu=True, report_to="none")
         dtypes = [WithDtype(str(d), dtype=dt).to_dict()["dtype"] for dt in (torch.bfloat16, torch.int64)]
+        with pytest.raises(ValueError):
+            impl.TrainingArguments(str(d), hub_strategy="sometimes")
         return {
+            "hub": (hub.hub_strategy == "end", hub.to_dict()["hub_strategy"]),
             "backend": compiled.torch_compile_backend,
             "pin": cpu.dataloader_pin_memory,
             "dtypes": dtypes,
         }
 
     hf, tb = run_both(scenario, tmp_path)
-    assert hf == {"backend": "inductor", "pin": False, "dtypes": ["bfloat16", "int64"]}
+    assert hf == {"hub": (True, "end"), "backend": "inductor", "pin": False, "dtypes": ["bfloat16", "int64"]}
     assert tb == hf
 
 
