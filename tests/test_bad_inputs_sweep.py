@@ -27,6 +27,7 @@ from trainbus.plugins.control.early_stopping import EarlyStopping
 from trainbus.plugins.control.flow import FlowControl
 from trainbus.plugins.control.preemption import Preemption
 from trainbus.plugins.control.pruning import TrialPruning
+from trainbus.plugins.data.loading import ResumableData
 from trainbus.plugins.evaluation.collector import EvalCollector
 from trainbus.plugins.observability.debug import UnderflowOverflowDebug
 from trainbus.plugins.observability.flos import FloCounter
@@ -63,6 +64,7 @@ CASES: list[tuple[str, Callable[[], Any], tuple[str, ...]]] = [
     ("loss_fn a number", lambda: engine(loss_fn=5), ("loss_fn", "5", "callable")),
     ("plugins a number", lambda: engine(plugins=5), ("plugins", "5", "list")),
     ("plugins one plugin", lambda: engine(plugins=GradientClipping()), ("plugins", "GradientClipping", "[it]")),
+    ("ResumableData flag a str", lambda: ResumableData(ignore_data_skip="x"), ("ignore_data_skip", "True or False")),
     ("label_names a str", lambda: engine(label_names="labels"), ("label_names", "'labels'", "('labels',)")),
     ("label_names a number", lambda: engine(label_names=5), ("label_names", "5", "list or tuple of str")),
     ("label_names holds a number", lambda: engine(label_names=["y", 5]), ("label_names", "5", "str only")),

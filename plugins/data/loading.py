@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 
 from trainbus.engine import ConfigError, Event, Plugin, Priority
+from trainbus.engine.errors import check_flag
 
 if TYPE_CHECKING:
     from trainbus.engine import Engine, EvalStartEvent, TrainStartEvent
@@ -199,6 +200,7 @@ class ResumableData(Plugin):
     """
 
     def __init__(self, ignore_data_skip: bool = False) -> None:
+        check_flag("ignore_data_skip", ignore_data_skip)
         self.ignore_data_skip = ignore_data_skip
 
     def attach(self, engine: Engine) -> None:
