@@ -176,3 +176,17 @@ def test_a_step_function_with_one_optimizer_steps_it_unnamed_and_schedules_follo
     assert engine.step_outputs["output"].grad_fn is None
     with pytest.raises(ConfigError, match=r"step_optimizer\('d'\): this engine has one optimizer, without a name"):
         engine.step_optimizer("d")
+
+
+def test_train_logger_under_a_step_function_logs_no_made_up_loss() -> None:
+    """A step function's engine fires no LOSS (its losses are the function's): TrainLogger logs the learning
+    rate and the epoch, never a 'loss' / 'train_loss' of 0.0."""
+    from optim35_gan import gan
+
+    from trainbus.plugins import FlowControl, TrainLogger
+
+    engine = gan(epochs=1, plugins=(FlowControl(logging_steps=2, save_strategy="no"), TrainLogger()))
+    engine.fit()
+    history = engine.state.log_history
+    assert history and all("loss" not in record and "train_loss" not in record for record in history), history
+    assert any("train_runtime" in record for record in history)

@@ -264,7 +264,8 @@ class TrainLogger(Plugin):
         if ev.window and self._window is not None and state.global_step > self._last_logged:
             read = self._read_window(engine)
             self._total_loss += read["loss"]
-            logs["loss"] = read["loss"] / (state.global_step - self._last_logged)
+            if not _without_loop_loss(engine):
+                logs["loss"] = read["loss"] / (state.global_step - self._last_logged)
             if read.get("grad_norm") is not None:
                 logs["grad_norm"] = float(read["grad_norm"])
             if read.get("learning_rate") is not None:
@@ -299,9 +300,17 @@ class TrainLogger(Plugin):
             "total_flos": float(state.total_flos),
             "train_loss": self._total_loss / max(state.global_step - self._run_start, 0.001),  # the whole run
         }
+        if _without_loop_loss(engine):
+            del metrics["train_loss"]
         self._window = None
         self.train_metrics = dict(metrics)
         engine.log(metrics)
+
+
+def _without_loop_loss(engine: Engine) -> bool:
+    """A step function's engine has no loop loss (no LOSS fires): a 0.0 would be a wrong number, so none is logged;
+    what the function returns is in ``engine.step_outputs``."""
+    return getattr(engine, "step_function", None) is not None
 
 
 class ConsoleSink(Plugin):
