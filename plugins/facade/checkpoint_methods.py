@@ -143,6 +143,12 @@ class TrainerCheckpointing:
         if getattr(load_result, "unexpected_keys", None):
             logger.warning("There were unexpected keys in the checkpoint model loaded: %s", load_result.unexpected_keys)
 
+    def _get_output_dir(self, trial: Any = None) -> str:
+        """transformers': where this run's checkpoints go. A search trial's arguments already name its run
+        folder (``search.py``), so it is ``args.output_dir`` in both cases (an override stays refused: the
+        Checkpointing plugin writes there)."""
+        return str(self.args.output_dir)  # type: ignore[attr-defined]
+
     def _target(self, model: Any) -> Any:
         if model is None or model is self.model_wrapped:  # type: ignore[attr-defined]
             return self.model  # type: ignore[attr-defined]

@@ -41,3 +41,16 @@ def test_a_given_schedule_goes_on(tmp_path: Path) -> None:
     assert rates == [0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025], rates
     assert_same_logs(hf["logs"], tb["logs"])
     assert_same_weights(hf["model"], tb["model"])
+
+
+def test_checkpoints_found_where_get_output_dir_says(tmp_path: Path) -> None:
+    """transformers' own tests find a run's checkpoints with ``trainer._get_output_dir(trial=None)``."""
+
+    def scenario(impl: Impl, workdir: Path) -> list[str]:
+        trainer = regression_trainer(impl, workdir, max_steps=4, save_steps=2, per_device_train_batch_size=16)
+        trainer.train()
+        folder = Path(trainer._get_output_dir(trial=None))
+        return sorted(p.name for p in folder.glob("checkpoint-*"))
+
+    hf, tb = run_both(scenario, tmp_path)
+    assert hf == tb == ["checkpoint-2", "checkpoint-4"]
