@@ -92,7 +92,8 @@ def close_group() -> None:
     """The end of a multi-process run: wait for every rank, then destroy the default process group.
 
     Call it (``Trainer.end()`` does) where a script would call ``destroy_process_group``: unlike that, it
-    makes the exit safe from gloo's abort (``_last_barrier``). A no-op without a group.
+    makes the exit safe from gloo's abort (``_last_barrier``). A no-op without a group. It covers the default
+    group's threads: a group made with ``new_group`` has threads of its own.
     """
     if dist.is_available() and dist.is_initialized():
         _last_barrier()
