@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from trainbus.engine import ConfigError
+from trainbus.engine.errors import ConfigImportError
 
 
 @dataclass
@@ -108,8 +109,14 @@ def _torchao(bits: int) -> Resolver:
 # -- bitsandbytes ------------------------------------------------------------------------------------
 def _bitsandbytes(kind: str, bits: int, paged: bool = False) -> Resolver:
     def resolve(req: OptimizerRequest) -> Resolved:
-        # the submodule by its full name, as transformers imports it (None in sys.modules: an ImportError)
-        optim = importlib.import_module("bitsandbytes.optim")
+        # the submodule by its full name, as transformers imports it. When it cannot be imported the error is
+        # an ImportError and a ValueError: transformers raises the one or the other, depending on the release
+        try:
+            optim = importlib.import_module("bitsandbytes.optim")
+        except ImportError as exc:
+            raise ConfigImportError(
+                f"optim {kind!r} ({bits}-bit) needs bitsandbytes.optim, which cannot be imported: {exc}"
+            ) from exc
 
         args = req.optim_args
         cls: Any
