@@ -107,6 +107,14 @@ class ProcessArguments:
         chosen = LOG_LEVELS[level]
         return logging.getLogger("trainbus").getEffectiveLevel() if chosen is None else chosen
 
+    def apply_log_level(self) -> None:
+        """HF's ``train()`` sets the process's level on transformers' loggers (``log_level`` not "passive"):
+        trainbus's logger takes it, and transformers' too, where trainbus writes transformers' messages."""
+        level = self.log_level if self.should_log else self.log_level_replica
+        logging.getLogger("trainbus").setLevel(self.get_process_log_level())
+        if LOG_LEVELS[level] is not None:
+            logging.getLogger("transformers").setLevel(LOG_LEVELS[level])
+
     @property
     def should_log(self) -> bool:
         """Whether this process logs: the main process, or each node's with log_on_each_node (HF)."""

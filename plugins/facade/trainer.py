@@ -14,7 +14,6 @@ the process side (``trainer_processes.py``); ``save_model`` is ``saving.py``, th
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -62,7 +61,7 @@ from .subclass_state import TrainerScriptState
 from .subclass_surface import MemoryTracker, TrainerInternals
 from .trainer_checks import check_eval_set, check_model, check_train_kwargs, check_trainer_arguments, model_from_init
 from .trainer_processes import TrainerProcesses
-from .utilities import FlosThroughTrainer, TrainerUtilities
+from .utilities import FlosThroughTrainer, TrainerUtilities, log_training_plan
 
 
 class Trainer(
@@ -171,7 +170,7 @@ class Trainer(
         """Log level, seeds, the model (from ``model_init`` if none), checked and on the device (HF's order),
         and what the facade reads from it: label names, loss kwargs, the items its loss averages over."""
         args = self.args
-        logging.getLogger("trainbus").setLevel(args.get_process_log_level())  # HF: log_level / _replica
+        args.apply_log_level()  # HF: log_level / _replica, on trainbus's logger and transformers'
         set_seed(args.seed)
         if args.full_determinism:
             torch.use_deterministic_algorithms(True)
@@ -290,6 +289,7 @@ class Trainer(
         loader = self.get_train_dataloader()
         self.max_epochs, self.max_steps = self._plan_length(loader)
         self.train_data = loader
+        log_training_plan(self, loader)
         return self._train_prepared(resume_from_checkpoint)
 
     def _train_prepared(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:

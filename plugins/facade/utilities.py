@@ -289,3 +289,22 @@ def _count_samples(value: Any) -> int:
     if isinstance(value, list | tuple):
         return _count_samples(value[0]) if value else 0
     return len(value) if value is not None else 0
+
+
+def log_training_plan(trainer: Any, loader: Any) -> None:
+    """What HF's ``train()`` logs before the first step, on transformers' trainer logger (its tests look there)."""
+    import logging
+
+    log = logging.getLogger("transformers.trainer").info
+    args, dataset = trainer.args, getattr(loader, "dataset", None)
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    total_batch = trainer._train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
+    log("***** Running training *****")
+    if dataset is not None and hasattr(dataset, "__len__"):
+        log(f"  Num examples = {len(dataset):,}")
+    log(f"  Num Epochs = {trainer.max_epochs or 1:,}")
+    log(f"  Instantaneous batch size per device = {trainer._train_batch_size:,}")
+    log(f"  Total train batch size (w. parallel, distributed & accumulation) = {total_batch:,}")
+    log(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+    log(f"  Total optimization steps = {trainer._plan()[0]:,}")
+    log(f"  Number of trainable parameters = {trainable:,}")

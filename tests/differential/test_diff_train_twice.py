@@ -54,3 +54,32 @@ def test_checkpoints_found_where_get_output_dir_says(tmp_path: Path) -> None:
 
     hf, tb = run_both(scenario, tmp_path)
     assert hf == tb == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_log_level_governs_the_training_banner__mirrors_test_log_level(tmp_path: Path) -> None:
+    """transformers logs "Running training" on its trainer logger; ``log_level`` sets the level of transformers'
+    loggers for the run: "debug" shows it, "error" hides it."""
+    import io
+    import logging
+
+    import transformers
+
+    def scenario(impl: Impl, workdir: Path) -> list[bool]:
+        shown = []
+        for level in ("debug", "error"):
+            transformers.logging.set_verbosity_info()
+            stream = io.StringIO()
+            handler = logging.StreamHandler(stream)
+            root = logging.getLogger("transformers")
+            root.addHandler(handler)
+            try:
+                trainer = regression_trainer(impl, workdir / level, max_steps=1, log_level=level)
+                trainer.train()
+            finally:
+                root.removeHandler(handler)
+            shown.append("Running training" in stream.getvalue())
+        transformers.logging.set_verbosity_warning()
+        return shown
+
+    hf, tb = run_both(scenario, tmp_path)
+    assert hf == tb == [True, False]
