@@ -305,7 +305,7 @@ def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch
         raise OSError(errno.EIO, "I/O error")
 
     real_replace = os.replace
-    monkeypatch.setattr(ck.os, "replace", no_rename)
+    monkeypatch.setattr(os, "replace", no_rename)
     engine.state.global_step = 3
     with pytest.raises(OSError, match="I/O error"):
         save_checkpoint(engine, tmp_path)
@@ -316,7 +316,7 @@ def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch
             raise OSError(errno.EIO, "I/O error")
         real_replace(src, dst)
 
-    monkeypatch.setattr(ck.os, "replace", fail_into_tmp_target)
+    monkeypatch.setattr(os, "replace", fail_into_tmp_target)
     engine.state.global_step = 2  # a re-save of an existing step that fails keeps the old one
     with pytest.raises(OSError, match="I/O error"):
         save_checkpoint(engine, tmp_path)

@@ -27,6 +27,7 @@ import torch
 import xxhash
 
 import trainbus.plugins.checkpoints.checkpoint as ck
+import trainbus.plugins.checkpoints.writing as writing
 from trainbus.engine import ConfigError, Engine
 from trainbus.plugins.checkpoints import io as cio
 from trainbus.plugins.checkpoints import verified
@@ -185,7 +186,7 @@ def test_every_file_and_the_directory_are_fsynced_before_the_rename(
     engine = make_engine()
     engine.fit()
     synced: list[Path] = []
-    real_fsync, real_publish = cio.fsync_path, ck._publish
+    real_fsync, real_publish = cio.fsync_path, writing.publish_directory
     published: list[Path] = []
 
     def recording_fsync(path: Path) -> None:
@@ -199,7 +200,7 @@ def test_every_file_and_the_directory_are_fsynced_before_the_rename(
         published.append(final)
 
     monkeypatch.setattr(cio, "fsync_path", recording_fsync)
-    monkeypatch.setattr(ck, "_publish", checked_publish)
+    monkeypatch.setattr(writing, "publish_directory", checked_publish)
     final = save_checkpoint(engine, tmp_path)
     assert published == [final]
     assert synced == [tmp_path]  # then the parent, so the rename itself is durable

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainbus.engine import Engine
-from trainbus.plugins.checkpoints import checkpoint as ckpt
+from trainbus.plugins.checkpoints import writing as ckpt
 from trainbus.plugins.checkpoints import frozen
 from trainbus.plugins.checkpoints.checkpoint import Checkpointing, resume
 from trainbus.plugins.checkpoints.verified import read_manifest

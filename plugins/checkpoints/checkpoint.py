@@ -25,8 +25,6 @@ and a resume takes the checkpoint rank 0 chose, refusing one written by another 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -34,7 +32,7 @@ from typing import Any
 
 import torch
 
-from trainbus.engine import Composition, ConfigError, Engine, Event, Plugin, Priority
+from trainbus.engine import Composition, Engine, Event, Plugin, Priority
 from trainbus.engine.events import (
     EpochEndEvent,
     EvalEndEvent,
@@ -50,17 +48,12 @@ from ..control.flow import SaveSchedule, interval
 from ..control.strategies import SaveStrategy
 from ..data.loading import ensure_resumable_data
 from ..distributed.processes import barrier, gather_to_main, rank
-from . import identity
-from . import io as cio
 from .checkpoint_checks import check_checkpointing_arguments, check_checkpointing_options, unscheduled_saves
-from .directory import PREFIX, latest_checkpoint, list_checkpoints, publish_directory
+from .directory import PREFIX, latest_checkpoint, list_checkpoints
 from .final_model import save_model
-from .frozen import BASE_MODEL_FILES, checkpoint_fingerprint
-from .history import write_trainer_state
 from .io import load_model_weights
 from .lineage import RunClaim, claim_run
 from .load_best import LoadBestModelAtEnd
-from .model_part import ModelPart, added_files
 from .resuming import (
     chosen_by_main,
     load_checkpoint,
@@ -73,6 +66,7 @@ from .rng import checkpoint_rng_state
 from .rotation import checkpoints_to_keep, delete_or_warn, rotate_checkpoints, same_path
 from .sharded import saved_by_every_rank
 from .sharded_save import save_sharded_checkpoint
+from .writing import take_checkpoint
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -122,87 +116,14 @@ def save_checkpoint(
     ``rng_states`` holds every rank's RNG states in rank order (default: this process's only).
     """
     rng_states = [checkpoint_rng_state(engine)] if rng_states is None else list(rng_states)
-    if engine.optimizer is None:
-        raise ConfigError("save_checkpoint needs engine.optimizer: a checkpoint without it cannot resume")
-    if saved_by_every_rank(engine.model):
-        raise ConfigError("an FSDP or DeepSpeed model is saved by every rank: use save_sharded_checkpoint")
-    state = engine.state
-    root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{state.global_step}"
-    tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    previous_best = state.best_model_checkpoint
-    identity.run_id(state)  # the run's identity, in its state and its manifest (identity.py)
-    if state.best_global_step is not None and state.best_global_step == state.global_step:
-        state.best_model_checkpoint = str(final)
+    pending = take_checkpoint(
+        engine, output_dir, info=info, rng_states=rng_states, model_only=model_only, model_folder=model_folder
+    )
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        frozen_base = checkpoint_fingerprint(engine.model)
-        files, model_listed = _write_model(engine, tmp, frozen_base, model_folder)
-        if not model_only:
-            files |= _write_training_state(engine, tmp, rng_states)
-        # the log history's full segments are linked from the last save, not rewritten (history.py)
-        state_files, history, linked = write_trainer_state(state, tmp, final)
-        files |= state_files
-        listed = _manifest_fields(state.global_step, len(rng_states), frozen_base, model_only)
-        listed |= {**history, **model_listed, **(info or {}), identity.MANIFEST_KEY: state.run_id}
-        cio.write_manifest(tmp, files, listed, entries=files)
-        # every file and tmp's entries durable before the rename (a linked segment's data already is)
-        cio.sync_files(tmp, [*(name for name in files if name not in linked), cio.MANIFEST])
-        _publish(tmp, final)
+        return pending.write()
     except BaseException:
-        state.best_model_checkpoint = previous_best
-        shutil.rmtree(tmp, ignore_errors=True)
+        pending.rollback(engine.state)
         raise
-    return final
-
-
-def _manifest_fields(global_step: int, world_size: int, frozen_base: Any, model_only: bool) -> dict[str, Any]:
-    """The manifest's own fields: the step, the world size, the frozen base, save_only_model."""
-    processes = {"world_size": world_size} if world_size > 1 else {}
-    base = {"frozen_base": frozen_base} if frozen_base is not None else {}
-    only = {"model_only": True} if model_only else {}
-    return {"global_step": global_step, **processes, **base, **only}
-
-
-def _write_model(
-    engine: Engine, tmp: Path, frozen_base: Any, model_folder: Callable[[Path], None] | None
-) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """The weights (of an adapter model only what trains) and the model folder's files; their manifest entries,
-    and what the manifest records about them (``model_part.py``).
-
-    A ``model_folder`` whose ``saves_model`` is true (the facade, for a subclass overriding ``save_model`` /
-    ``_save``) writes the model part itself: trainbus's weights only if its ``_save`` reaches the part.
-    """
-    part = ModelPart(engine.model, tmp, frozen_base)
-    if model_folder is not None and getattr(model_folder, "saves_model", False):
-        with part.open():
-            model_folder(tmp)
-        return part.finish()
-    part.write_weights()
-    if model_folder is not None:
-        added = added_files(tmp, model_folder)
-        for name in [n for n in added if part.adapter is not None and n in BASE_MODEL_FILES]:
-            (tmp / name).unlink()  # a base model's config.json in an adapter checkpoint would load a random base
-    return part.finish()
-
-
-def _write_training_state(engine: Engine, tmp: Path, rng_states: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """What a resume needs besides the model: optimizer, plugins' states, every rank's RNG states."""
-    assert engine.optimizer is not None
-    files = cio.write_bundle(tmp, "optimizer", engine.optimizer.state_dict())
-    # the plugins part of engine.state_dict(), without its deep copy of State (the log history grows)
-    files |= cio.write_bundle(tmp, "plugins", {p.name: p.state_dict() for p in engine.plugins})
-    for stem, rng in zip(rng_file_stems(len(rng_states)), rng_states, strict=True):
-        files |= cio.write_bundle(tmp, stem, rng)
-    return files
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``; an existing ``final`` (a re-save of that step) is replaced (``directory.py``)."""
-    publish_directory(tmp, final)
 
 
 # -- plugins --------------------------------------------------------------------------------------

@@ -61,7 +61,10 @@ MANIFEST_KEY = "log_history_segments"
 logger = logging.getLogger("trainbus.checkpoint")
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
-__all__ = ["MANIFEST_KEY", "SEGMENT", "read_log_history", "segment_name", "untag", "write_trainer_state"]
+__all__ = [
+    "MANIFEST_KEY", "SEGMENT", "TakenState", "read_log_history", "segment_name", "take_trainer_state", "untag",
+    "write_trainer_state",
+]  # fmt: skip
 
 
 class _Segment(NamedTuple):
@@ -81,15 +84,32 @@ def segment_name(index: int) -> str:
     return f"log_history-{index:06d}.json"
 
 
+class TakenState(NamedTuple):
+    """A trainer state as it was when a save took it, for a write that happens later (a background save)."""
+
+    history: list[dict[str, Any]]  # the records (the same objects: append-only), in a list of its own
+    hf_text: str  # trainer_state.json, with the records after the last full segment
+    own_text: str  # trainbus_state.json
+
+
+def take_trainer_state(state: State) -> TakenState:
+    """What ``write_trainer_state`` writes, taken now: the two JSON texts and the history's list (no records copied)."""
+    history = list(state.log_history)
+    hf_text, own_text = split_state(state, history[len(history) // SEGMENT * SEGMENT :])
+    return TakenState(history, hf_text, own_text)
+
+
 def write_trainer_state(
-    state: State, tmp: Path, final: Path
+    state: State | TakenState, tmp: Path, final: Path
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], set[str]]:
     """Write ``trainer_state.json`` and the history's segments into ``tmp`` (to be published as ``final``).
 
-    Returns the files' manifest entries, what the manifest lists (the segments' names), and the names
-    of the files that were linked (already durable: they need no fsync).
+    ``state`` is the engine's State, or one taken earlier (``take_trainer_state``). Returns the files'
+    manifest entries, what the manifest lists (the segments' names), and the names of the files that
+    were linked (already durable: they need no fsync).
     """
-    history = state.log_history
+    taken = state if isinstance(state, TakenState) else take_trainer_state(state)
+    history = taken.history
     full = len(history) // SEGMENT
     key = str(final.parent.absolute())
     cached = _CACHE.get(key, [])
@@ -108,10 +128,8 @@ def write_trainer_state(
             stamp = _stamp(tmp / name)
         files[name] = entry
         segments.append(_Segment(name, entry, final / name, stamp, first, last))
-    tail = history[full * SEGMENT :]
-    hf_fields, own_fields = split_state(state, tail)
-    files["trainer_state.json"] = cio.write_text(tmp / "trainer_state.json", hf_fields)
-    files[OWN_STATE] = cio.write_text(tmp / OWN_STATE, own_fields)
+    files["trainer_state.json"] = cio.write_text(tmp / "trainer_state.json", taken.hf_text)
+    files[OWN_STATE] = cio.write_text(tmp / OWN_STATE, taken.own_text)
     _CACHE[key] = segments
     listed = {MANIFEST_KEY: [s.name for s in segments]} if segments else {}
     return files, listed, linked

@@ -318,7 +318,13 @@ def _read_owned(path: Path, fd: int | None, size: int | None, hasher: Any) -> di
 
 def write_bundle(directory: Path, stem: str, value: Any) -> dict[str, dict[str, Any]]:
     """Write ``value`` as ``stem.json`` + ``stem.safetensors``; returns their manifest entries by file name."""
-    structure, tensors = codec.split_tensors(value, stem)
+    return write_split_bundle(directory, stem, *codec.split_tensors(value, stem))
+
+
+def write_split_bundle(
+    directory: Path, stem: str, structure: Any, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, dict[str, Any]]:
+    """``write_bundle`` of a value split earlier (``codec.split_tensors``: a structure of its own, and its tensors)."""
     return {
         f"{stem}.safetensors": write_tensors(directory / f"{stem}.safetensors", tensors),
         f"{stem}.json": write_json(directory / f"{stem}.json", {"format": FORMAT, "data": structure}, indent=None),

@@ -34,6 +34,7 @@ import torch
 
 from . import io as cio
 from .frozen import adapter_model, trainable_state_dict, write_adapter_folder
+from .weights import state_to_save
 from .weights_name import MANIFEST_KEY, OWN_WEIGHTS, WEIGHTS, weights_file
 
 __all__ = ["MANIFEST_KEY", "OWN_WEIGHTS", "WEIGHTS", "weights_file"]  # weights_file's users import it from here
@@ -70,16 +71,26 @@ class ModelPart:
 
     def write_weights(self) -> None:
         """trainbus's weights (of an adapter model only what trains, with peft's folder beside them)."""
+        self.write_taken(self.weights_to_write())
+        self.write_adapter_folder()
+
+    def weights_to_write(self) -> tuple[str, dict[str, torch.Tensor]]:
+        """The weights file's name and its tensors (the model's own, not copies): of an adapter model only what
+        trains, the base known by its fingerprint; else the state dict, tied weights once."""
         name = OWN_WEIGHTS if self.adapter is not None else WEIGHTS
-        path = self.directory / name
-        if self.frozen_base is None:
-            entry = cio.save_weights(self.model, path)
-        else:  # an adapter model: only what trains, the base known by its fingerprint
-            entry = cio.write_tensors(path, trainable_state_dict(self.model))
-        self._record(name, entry)
+        tensors = state_to_save(self.model) if self.frozen_base is None else trainable_state_dict(self.model)
+        return name, tensors
+
+    def write_taken(self, taken: tuple[str, dict[str, torch.Tensor]]) -> None:
+        """Write the weights file ``weights_to_write`` gave (or host copies of its tensors: a background save)."""
+        name, tensors = taken
+        self._record(name, cio.write_tensors(self.directory / name, tensors))
         self._weights = name
-        if self.adapter is not None:  # peft's own folder, as transformers' checkpoint of it (frozen.py)
-            write_adapter_folder(self.adapter, self.directory)  # its files are hashed by finish()
+
+    def write_adapter_folder(self) -> None:
+        """peft's own folder of an adapter model, as transformers writes it (``frozen.py``); finish() hashes it."""
+        if self.adapter is not None:
+            write_adapter_folder(self.adapter, self.directory)
 
     def _record(self, name: str, entry: dict[str, Any]) -> None:
         self._entries[name] = entry
