@@ -48,6 +48,7 @@ from ..control.flow import SaveSchedule, interval
 from ..control.strategies import SaveStrategy
 from ..data.loading import ensure_resumable_data
 from ..distributed.processes import barrier, gather_to_main, rank
+from .background import BackgroundWriter, CheckpointWriteError
 from .checkpoint_checks import check_checkpointing_arguments, check_checkpointing_options, unscheduled_saves
 from .directory import PREFIX, latest_checkpoint, list_checkpoints
 from .final_model import save_model
@@ -66,13 +67,15 @@ from .rng import checkpoint_rng_state
 from .rotation import checkpoints_to_keep, delete_or_warn, rotate_checkpoints, same_path
 from .sharded import saved_by_every_rank
 from .sharded_save import save_sharded_checkpoint
-from .writing import take_checkpoint
+from .snapshot import HostBuffers
+from .writing import PendingCheckpoint, take_checkpoint
 
 logger = logging.getLogger("trainbus.checkpoint")
 
 
 __all__ = [
     "PREFIX",
+    "CheckpointWriteError",
     "Checkpointing",
     "LoadBestModelAtEnd",
     "checkpoints_to_keep",
@@ -119,11 +122,7 @@ def save_checkpoint(
     pending = take_checkpoint(
         engine, output_dir, info=info, rng_states=rng_states, model_only=model_only, model_folder=model_folder
     )
-    try:
-        return pending.write()
-    except BaseException:
-        pending.rollback(engine.state)
-        raise
+    return _write_now(pending, engine)
 
 
 # -- plugins --------------------------------------------------------------------------------------
@@ -151,6 +150,10 @@ class Checkpointing(Plugin):
         save_only_model: checkpoints hold the model and trainer state only (HF); they cannot be resumed.
         only_best_at_end: with ``save_total_limit=1``, a finished run deletes every checkpoint but
             the best (HF's Trainer); during the run the newest stays too, for resuming.
+        save_async: the step that saves only copies the state into host buffers (pinned, for a GPU's
+            tensors) and training goes on while a background thread writes, publishes and rotates
+            (``background.py``): one write in flight, every promise of a synchronous save kept, the end of
+            training and a stop's checkpoint wait for it, a failed write raises at the next step.
 
     Example:
         >>> import torch, tempfile
@@ -180,10 +183,11 @@ class Checkpointing(Plugin):
         only_best_at_end: bool = False,
         save_only_model: bool = False,
         model_folder: Callable[[Path], None] | None = None,
+        save_async: bool = False,
     ) -> None:
         strategy = check_checkpointing_arguments(output_dir, save_total_limit, save_safetensors, save_strategy,
                                                   save_steps)
-        check_checkpointing_options(best_metric_key, only_best_at_end, save_only_model, model_folder)
+        check_checkpointing_options(best_metric_key, only_best_at_end, save_only_model, model_folder, save_async)
         self.output_dir = Path(output_dir)
         self.save_total_limit = save_total_limit
         self.best_metric_key = best_metric_key
@@ -199,6 +203,10 @@ class Checkpointing(Plugin):
         self.last_saved: Path | None = None
         self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
         self.claim = RunClaim(self.output_dir)  # the output_dir lock and which checkpoints are this run's
+        self.save_async = save_async
+        self.writer = BackgroundWriter() if save_async else None
+        self._buffers = HostBuffers()  # host copies of an asynchronous save's tensors, reused between saves
+        self._barrier_due = False  # an asynchronous save since the last wait: every rank meets once it is written
 
     def schedules(self) -> set[str]:
         """Its own save_strategy schedules saves (the bare Engine's shortcut); "no" leaves them to others."""
@@ -219,6 +227,9 @@ class Checkpointing(Plugin):
         # a new run sets the earlier run's checkpoints aside first (lineage.py), whatever the composition
         self.on(engine, Event.TRAIN_START, self._claim_run, priority=Priority.FIRST, before="*")
         self.on(engine, Event.TRAIN_END, self._release_lock, priority=Priority.LAST, after="*", cleanup=True)
+        if self.writer is not None:  # a write in flight ends before anything reads checkpoints at TRAIN_END
+            self.on(engine, Event.TRAIN_END, self._end_writes, priority=Priority.FIRST, before="*", cleanup=True)
+            self.on(engine, Event.STEP_END, self._raise_write_error, priority=Priority.FIRST)
         if self.only_best_at_end:
             # after LoadBestModelAtEnd (FIRST) has read the best checkpoint
             self.on(engine, Event.TRAIN_END, self._keep_only_best, priority=Priority.LAST)
@@ -288,12 +299,16 @@ class Checkpointing(Plugin):
         else:
             self.write(ev.engine)
 
-    def write(self, engine: Engine) -> None:
-        """Write this step's checkpoint now (every rank calls it) and rotate."""
+    def write(self, engine: Engine, *, wait: bool = False) -> None:
+        """Write this step's checkpoint (every rank calls it) and rotate; with ``save_async``, in the background
+        unless ``wait`` or the save is a stop's (Preemption's: whole and on disk before the process ends)."""
+        if self.writer is not None:
+            self.wait_for_writes(engine, why=f"the save at step {engine.state.global_step}", expected=False)
         rng_states = gather_to_main(checkpoint_rng_state(engine))  # every rank's, on rank 0 (all ranks call it)
         final = self.output_dir / f"{PREFIX}{engine.state.global_step}"
         main = rank() == 0 and engine.state.is_world_process_zero
         model_only = self.save_only_model and not self.resumable_next  # a stop's checkpoint is resumed from
+        background = self.writer is not None and not (wait or self.resumable_next)
         self.resumable_next = False  # taken before writing: a signal during this save asks for the next one
         info: dict[str, Any] = {}
         if self.best_metric_key is not None:
@@ -303,19 +318,68 @@ class Checkpointing(Plugin):
                 save_sharded_checkpoint(
                     engine, self.output_dir, info=info, rng_states=rng_states, model_only=model_only
                 )
+                self._published(engine.state.best_model_checkpoint, final, main)
+                background = False
             elif main:
-                save_checkpoint(
+                pending = take_checkpoint(
                     engine, self.output_dir, info=info, rng_states=rng_states, model_only=model_only,
-                    model_folder=self.model_folder,
+                    model_folder=self.model_folder, buffers=self._buffers if background else None,
                 )  # fmt: skip
-            self.claim.wrote = True
-            if main:
-                self._written = [path for path in self._written if path != final] + [final]
-                rotate_checkpoints(
-                    self.output_dir, self.save_total_limit, engine.state.best_model_checkpoint, self._written
-                )
-            elif engine.state.best_global_step == engine.state.global_step and not saved_by_every_rank(engine.model):
-                engine.state.best_model_checkpoint = str(final)  # as rank 0 records it
+                best = engine.state.best_model_checkpoint
+                if background:
+                    assert self.writer is not None
+                    self.writer.submit(pending, lambda final: self._published(best, final, main))
+                else:
+                    self._published(best, _write_now(pending, engine), main)
+            else:  # rank 0 writes; the others record what it records
+                if engine.state.best_global_step == engine.state.global_step:
+                    engine.state.best_model_checkpoint = str(final)
+                self._published(engine.state.best_model_checkpoint, final, main)
         finally:
-            barrier()  # no rank reads (resume, best model) before the checkpoint is complete
+            if background:
+                self._barrier_due = True  # every rank meets once the write is done: at the next wait
+            else:
+                barrier()  # no rank reads (resume, best model) before the checkpoint is complete
+
+    def _published(self, best: str | None, final: Path, main: bool) -> None:
+        """After the rename (in the writer, for a background save): this run wrote it; rotation (rank 0)."""
+        self.claim.wrote = True
+        if main:
+            self._written = [path for path in self._written if path != final] + [final]
+            rotate_checkpoints(self.output_dir, self.save_total_limit, best, self._written)
         self.last_saved = final
+
+    def wait_for_writes(
+        self, engine: Engine, why: str = "", *, raise_error: bool = True, expected: bool = True
+    ) -> None:
+        """Wait until the background write in flight is on disk (every rank calls it: they meet after it), then
+        raise its error if it failed. Without ``save_async``: nothing to wait for. A wait that is not
+        ``expected`` (a save finding the last one still writing) is logged as a warning."""
+        if self.writer is None:
+            return
+        self.writer.wait(why, logging.INFO if expected else logging.WARNING)
+        if self._barrier_due:
+            self._barrier_due = False
+            if raise_error:  # not in a failed run's cleanup: another rank may never come
+                barrier()
+        if raise_error:
+            self.writer.raise_error(engine.state)
+
+    def _raise_write_error(self, ev: StepEndEvent) -> None:
+        writer = self.writer
+        if writer is not None and writer.failed:  # one attribute read per step
+            writer.raise_error(ev.engine.state)
+
+    def _end_writes(self, ev: TrainEndEvent) -> None:
+        """TRAIN_END, first: the write in flight ends before the best model is loaded, rotation keeps only the
+        best and the lock is released; also when training failed (its error is then logged, not raised)."""
+        self.wait_for_writes(ev.engine, "the end of training", raise_error=ev.error is None)
+        self._buffers.clear()
+
+
+def _write_now(pending: PendingCheckpoint, engine: Engine) -> Path:
+    try:
+        return pending.write()
+    except BaseException:
+        pending.rollback(engine.state)
+        raise

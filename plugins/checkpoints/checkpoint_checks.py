@@ -40,7 +40,7 @@ def check_checkpointing_arguments(
 
 
 def check_checkpointing_options(
-    best_metric_key: Any, only_best_at_end: Any, save_only_model: Any, model_folder: Any
+    best_metric_key: Any, only_best_at_end: Any, save_only_model: Any, model_folder: Any, save_async: Any = False
 ) -> None:
     """Checkpointing's other arguments: a ConfigError naming the first one of the wrong kind."""
     if best_metric_key is not None and (not isinstance(best_metric_key, str) or not best_metric_key):
@@ -49,6 +49,7 @@ def check_checkpointing_options(
         )
     check_flag("only_best_at_end", only_best_at_end)
     check_flag("save_only_model", save_only_model)
+    check_flag("save_async", save_async)
     check_callable("model_folder", model_folder, "a function model_folder(checkpoint_path) writing the model's files")
 
 

@@ -156,6 +156,9 @@ class TrainingArguments(ProcessArguments):
     save_steps: float = 500
     save_total_limit: int | None = None
     save_only_model: bool = False
+    # trainbus's own (transformers has no asynchronous save): the saving step copies the state to host memory and
+    # a background thread writes the checkpoint (Checkpointing(save_async=True), checkpoints/background.py)
+    save_async: bool = False
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None

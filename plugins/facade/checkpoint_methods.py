@@ -78,6 +78,9 @@ class TrainerCheckpointing:
             plugin = _checkpointing(self)
             write = lambda: plugin.write(self)  # noqa: E731
         write()
+        if self.overrides("_save_checkpoint"):  # type: ignore[attr-defined]
+            # the override's code after super() reads or adds to checkpoint-N: it is on disk when super() returns
+            _checkpointing(self).wait_for_writes(self, f"{type(self).__name__}._save_checkpoint")  # type: ignore[arg-type]
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         """The model, its config and processing files and the training arguments in ``output_dir``.

@@ -201,6 +201,7 @@ def _eval_and_save_plugins(trainer: Any, args: TrainingArguments, preprocess_log
             args.metric_for_best_model,
             only_best_at_end=True,
             save_only_model=args.save_only_model,
+            save_async=args.save_async,
             model_folder=checkpoint_extras(trainer),  # config.json, tokenizer, training_args.json (HF's folder)
         )
     )
