@@ -10,12 +10,18 @@ bf16 needs no scaling: the plugin only wraps the ``forward`` and ``compute_loss`
   engine fires no OPTIMIZER_STEP and the scheduler does not step either; ``skipped_steps`` counts it.
   Otherwise it calls the inner hook. Then ``scaler.update()`` adjusts the scale.
 
+Deciding that reads the overflow flag on the host, one sync per optimizer step (``GradScaler.step`` does the
+same read for a non-fused optimizer). With a fused optimizer (HF's default ``adamw_torch_fused``) the skip can
+be taken on the device instead (``fp16_skip.DeviceSkip``): the optimizer reads the flag itself, a device
+counter counts the skips, and the counts and the schedule are taken back at the next logging point. That is
+bit for bit the same run where the rate does not move with the step, so it is the default there (``sync=None``);
+``sync=False`` asks for it under any closed-form schedule (within a logging window the rate after a skip lags
+by one schedule step per skip), ``sync=True`` reads on the host every step. ``keep_schedule=True`` leaves
+skipped steps in the schedule, as transformers does with a fused optimizer (the hand-written AMP loop too).
+
 Under a step function (``Engine(..., step=fn)``) the plugin runs ``fn`` under autocast (the engine runs
 ``step_optimizer``'s backward and step outside it) and unscales the optimizer each step names; one scaler
 serves every optimizer, updated after each one's step, as torch's AMP recipe for several optimizers does.
-
-Reading the overflow flag is one host sync per optimizer step; GradScaler.step does the same read,
-and the engine needs a bool to know whether the optimizer stepped.
 """
 
 from __future__ import annotations
@@ -29,9 +35,17 @@ import torch
 from trainbus.engine import ConfigError, Event, Plugin, Priority
 from trainbus.engine.errors import ConfigTypeError, check_positive_int, suggest
 
+from .fp16_skip import DeviceSkip, check_pending, why_not
+
 if TYPE_CHECKING:
     from trainbus.engine import Engine
-    from trainbus.engine.events import BeforeOptimizerStepEvent, StepEndEvent
+    from trainbus.engine.events import (
+        BeforeOptimizerStepEvent,
+        LogEvent,
+        StepEndEvent,
+        TrainEndEvent,
+        TrainStartEvent,
+    )
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -64,9 +78,16 @@ class MixedPrecision(Plugin):
         device_type: autocast device type; default: the engine's device.
         scaler: a GradScaler to use for fp16 (tests inject one); default ``torch.amp.GradScaler``
             built from ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``.
+        sync: fp16: ``True`` reads the overflow flag on the host every step; ``False`` skips on the device
+            (a fused optimizer, taken back at logging points) and says at TRAIN_START why it cannot; ``None``
+            (default) skips on the device where that is bit for bit the host-read run (see the module).
+        keep_schedule: fp16, a skip on the device: the skipped step stays in the learning-rate schedule, as
+            transformers (accelerate) does with a fused optimizer; then any schedule skips on the device.
 
     Attributes:
-        skipped_steps: optimizer steps skipped because the gradients overflowed (fp16).
+        skipped_steps: optimizer steps skipped because the gradients overflowed (fp16); with a skip on the
+            device, as known at the last logging point (and at the end of training).
+        device_skip: whether this run's overflows are skipped on the device (set at TRAIN_START).
 
     Example:
         >>> import torch
@@ -92,6 +113,8 @@ class MixedPrecision(Plugin):
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        sync: bool | None = None,
+        keep_schedule: bool = False,
     ) -> None:
         if dtype not in DTYPES:
             raise ConfigError(
@@ -106,6 +129,10 @@ class MixedPrecision(Plugin):
             raise ConfigError(f"a loss scaler is for fp16 only; {dtype} needs none")
         _check_scaler_settings(init_scale, growth_factor, backoff_factor, growth_interval)
         _check_device_type(device_type)
+        if sync is not None and not isinstance(sync, bool):
+            raise ConfigError(f"sync must be True, False or None (decided per run), got {sync!r}")
+        if not isinstance(keep_schedule, bool):
+            raise ConfigError(f"keep_schedule must be True or False, got {keep_schedule!r}")
         self.dtype = DTYPES[dtype]
         self.device_type = device_type
         self.scaler: Any = scaler
@@ -119,6 +146,10 @@ class MixedPrecision(Plugin):
         self._unscaled = False  # unscale_ ran for this step and update() has not yet
         self._pending_scaler: dict[str, Any] | None = None
         self._step_function: Callable[..., Any] | None = None  # a step function's own, put back at detach
+        self.sync = sync
+        self.keep_schedule = keep_schedule
+        self.device_skip = False
+        self._device = DeviceSkip()
 
     @property
     def fp16(self) -> bool:
@@ -152,8 +183,14 @@ class MixedPrecision(Plugin):
         unscale = self.unscale if engine.step_function is None else self.unscale_named
         self.on(engine, Event.BEFORE_OPTIMIZER_STEP, unscale, priority=Priority.FIRST)
         self.on(engine, Event.STEP_END, self.step_end, priority=Priority.FIRST)
+        self.on(engine, Event.TRAIN_START, self.train_start, priority=Priority.LAST)  # after the schedule
+        if self.sync is not True:
+            self.on(engine, Event.LOG, self.log, priority=Priority.DEFAULT)  # as SkipNonFinite: after the record
+            self.on(engine, Event.TRAIN_END, self.train_end, priority=Priority.FIRST)  # before the train metrics
 
     def detach(self, engine: Engine) -> None:
+        self._device.unbind()
+        self.device_skip = False
         if self._step_function is not None:
             engine.step_function, self._step_function = self._step_function, None
         super().detach(engine)
@@ -181,9 +218,11 @@ class MixedPrecision(Plugin):
             if not self._unscaled:  # called outside the loop's BEFORE_OPTIMIZER_STEP
                 self.scaler.unscale_(optimizer)
             found = self.scaler._found_inf_per_device(optimizer)
-            overflow = bool(sum(v.item() for v in found.values()))  # the one host read of an fp16 step
-            stepped = False
-            if overflow:
+            flag = self._device.flag(optimizer, found) if self._unscaled else None
+            if flag is not None:  # the optimizer skips on the device; the host learns it at the logging point
+                stepped = self._device.step(optimizer, flag, inner) is not False
+            elif bool(sum(v.item() for v in found.values())):  # the one host read of an fp16 step
+                stepped = False
                 self.skipped_steps += 1
             else:
                 stepped = inner(optimizer) is not False  # None from a plain optimizer.step()
@@ -205,6 +244,29 @@ class MixedPrecision(Plugin):
         self.scaler.unscale_(ev.engine.optimizers[name] if name is not None else ev.engine.optimizer)
         self._unscaled = True
 
+    def train_start(self, ev: TrainStartEvent) -> None:
+        engine, optimizer = ev.engine, ev.engine.optimizer
+        assert optimizer is not None
+        reason = "sync=True" if self.sync else why_not(engine, optimizer, self.sync, self.keep_schedule)
+        if reason is not None and self.sync is False:
+            raise ConfigError(f"MixedPrecision(sync=False) cannot skip an fp16 overflow on the device: {reason}; "
+                              "use sync=None (decided per run) or sync=True (one host read per step)")  # fmt: skip
+        self.device_skip = reason is None
+        if reason is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self._device.bind(optimizer, params[0].device if params else engine.device)
+        else:  # decided on the host; skips a checkpoint had not taken back yet are taken back now
+            self._device.unbind()
+            self.skipped_steps += self._device.reconcile(engine, self.keep_schedule)
+
+    def log(self, ev: LogEvent) -> None:
+        if ev.window and self.device_skip:
+            self.skipped_steps += self._device.reconcile(ev.engine, self.keep_schedule)
+
+    def train_end(self, ev: TrainEndEvent) -> None:
+        if self.device_skip:
+            self.skipped_steps += self._device.reconcile(ev.engine, self.keep_schedule)
+
     def step_end(self, ev: StepEndEvent) -> None:
         # a handler vetoed the step after we unscaled: update() clears the scaler's per-step record
         if self._unscaled:
@@ -214,10 +276,13 @@ class MixedPrecision(Plugin):
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         scaler = self.scaler.state_dict() if self.scaler is not None else None
-        return {"skipped_steps": self.skipped_steps, "scaler": scaler}
+        # skips on the device not yet taken back: a resumed run takes them back where this one would
+        pending = self._device.pending()
+        return {"skipped_steps": self.skipped_steps, "scaler": scaler, "pending_skips": pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._device.load(check_pending(state.get("pending_skips", 0)))
         saved = state.get("scaler")
         if not saved:
             return
