@@ -29,16 +29,25 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from trainbus.engine import State
-
-from .writing import PendingCheckpoint
 
 logger = logging.getLogger("trainbus.checkpoint")
 
 __all__ = ["BackgroundWriter", "CheckpointWriteError"]
 
 WRITER_NICENESS = 10  # how much lower than training the writer thread is scheduled (Linux threads)
+
+
+class PendingCheckpoint(Protocol):
+    """A checkpoint taken and not yet written (``writing.PendingCheckpoint``, ``sharded_async.PendingSharded``)."""
+
+    final: Path
+
+    def write(self) -> Path: ...
+
+    def rollback(self, state: State) -> None: ...
 
 
 class CheckpointWriteError(RuntimeError):

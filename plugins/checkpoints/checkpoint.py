@@ -66,7 +66,7 @@ from .resuming import (
 from .rng import checkpoint_rng_state
 from .rotation import checkpoints_to_keep, delete_or_warn, rotate_checkpoints, same_path
 from .sharded import saved_by_every_rank
-from .sharded_save import save_sharded_checkpoint
+from .sharded_async import ShardedSaves
 from .snapshot import HostBuffers
 from .writing import PendingCheckpoint, take_checkpoint
 
@@ -207,6 +207,7 @@ class Checkpointing(Plugin):
         self.writer = BackgroundWriter() if save_async else None
         self._buffers = HostBuffers()  # host copies of an asynchronous save's tensors, reused between saves
         self._barrier_due = False  # an asynchronous save since the last wait: every rank meets once it is written
+        self._sharded = ShardedSaves(self)  # FSDP2 / DeepSpeed: every rank writes its part (sharded_async.py)
 
     def schedules(self) -> set[str]:
         """Its own save_strategy schedules saves (the bare Engine's shortcut); "no" leaves them to others."""
@@ -315,11 +316,10 @@ class Checkpointing(Plugin):
             info["metric"] = {"key": self.best_metric_key, "value": self.last_metric}
         try:
             if saved_by_every_rank(engine.model):  # FSDP / DeepSpeed: every rank writes its own part
-                save_sharded_checkpoint(
-                    engine, self.output_dir, info=info, rng_states=rng_states, model_only=model_only
-                )
-                self._published(engine.state.best_model_checkpoint, final, main)
-                background = False
+                kind = self._sharded.save(engine, info, rng_states, model_only, background)
+                background = kind == "background"
+                if not background:
+                    self._published(engine.state.best_model_checkpoint, final, main)
             elif main:
                 pending = take_checkpoint(
                     engine, self.output_dir, info=info, rng_states=rng_states, model_only=model_only,
@@ -375,6 +375,8 @@ class Checkpointing(Plugin):
         best and the lock is released; also when training failed (its error is then logged, not raised)."""
         self.wait_for_writes(ev.engine, "the end of training", raise_error=ev.error is None)
         self._buffers.clear()
+        if ev.error is None:
+            self._sharded.end()  # the writers' group: its last collective kept (gloo's exit, processes.py)
 
 
 def _write_now(pending: PendingCheckpoint, engine: Engine) -> Path:

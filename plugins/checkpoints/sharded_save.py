@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from trainbus.engine import ConfigError, Engine
+from trainbus.engine import ConfigError, Engine, State
 
 from ..distributed.deepspeed import deepspeed_engine_of
 from ..distributed.processes import broadcast_from_main, gather_to_main, rank
-from . import identity
+from . import codec, identity
 from . import io as cio
 from .directory import publish_directory
 from .final_model import save_model
-from .history import write_trainer_state
+from .history import TakenState, write_trainer_state
 from .sharded import INDEX, INDEX_FORMAT, SHARDED, _is_dtensor, _reshard, _slice_of, optimizer_stem
 from .zero import model_file, write_zero_files, zero_full_state
 
@@ -102,23 +102,26 @@ def save_sharded_checkpoint(
             written = f"rank {me}: {type(exc).__name__}: {exc}"
         gathered = gather_to_main(written)
         rngs = [] if model_only else rng_states or []
-        listed = {**(info or {}), **({"model_only": True} if model_only else {})}
-        outcome = _on_main(lambda: _finish(engine, tmp, final, gathered or [], listed, rngs, plugins=not model_only))
+        outcome = _on_main(
+            lambda: finish_sharded(tmp, final, gathered or [], shared_fields(engine, info, model_only),
+                                   shared_bundles(engine, rngs, plugins=not model_only), engine.state)
+        )  # fmt: skip
     if outcome is not None:
         state.best_model_checkpoint = previous_best
         raise RuntimeError(f"saving the sharded checkpoint {final} failed: {outcome}")
     return final
 
 
-def _on_main(step: Any) -> str | None:
-    """Run ``step()`` on rank 0; its error message (or None) on every rank."""
+def _on_main(step: Any, group: Any = None) -> str | None:
+    """Run ``step()`` on rank 0; its error message (or None) on every rank (told over ``group``: default, the
+    default group)."""
     error: str | None = None
     if rank() == 0:
         try:
             step()
         except Exception as exc:  # every rank must learn of it, or the others wait forever
             error = f"{type(exc).__name__}: {exc}"
-    return broadcast_from_main(error)  # type: ignore[no-any-return]
+    return broadcast_from_main(error, group)  # type: ignore[no-any-return]
 
 
 def _fresh_directory(tmp: Path) -> None:
@@ -142,15 +145,32 @@ def _write_rank_files(engine: Engine, tmp: Path, r: int, model_only: bool) -> di
     return {"layout": "fsdp2", "tensors": entries, "files": files}
 
 
-def _finish(
-    engine: Engine,
+def shared_fields(engine: Engine, info: Mapping[str, Any] | None, model_only: bool) -> dict[str, Any]:
+    """The manifest fields rank 0 adds to the gathered ones: the step, ``info``, save_only_model, the run's id."""
+    run = identity.run_id(engine.state)  # the run's identity, in its state and its manifest (identity.py)
+    only = {"model_only": True} if model_only else {}
+    return {"global_step": engine.state.global_step, **(info or {}), **only, identity.MANIFEST_KEY: run}
+
+
+def shared_bundles(
+    engine: Engine, rng_states: Sequence[dict[str, Any]], *, plugins: bool
+) -> list[tuple[str, Any, dict[str, torch.Tensor]]]:
+    """Rank 0's shared bundles, split (``codec.split_tensors``): the plugins' states and every rank's RNG states."""
+    values: list[tuple[str, Any]] = []
+    if plugins:
+        values.append(("plugins", {p.name: p.state_dict() for p in engine.plugins}))
+    stems = ["rng"] if len(rng_states) == 1 else [f"rng-{r}" for r in range(len(rng_states))]
+    values += list(zip(stems, rng_states, strict=True))
+    return [(stem, *codec.split_tensors(value, stem)) for stem, value in values]
+
+
+def finish_sharded(
     tmp: Path,
     final: Path,
     gathered: list[Any],
-    info: Mapping[str, Any],
-    rng_states: Sequence[dict[str, Any]],
-    *,
-    plugins: bool,
+    fields: Mapping[str, Any],
+    bundles: Sequence[tuple[str, Any, Mapping[str, torch.Tensor]]],
+    trainer_state: State | TakenState,
 ) -> None:
     """Rank 0: the shared files, the index and the manifest, then publish; removes ``tmp`` on failure."""
     try:
@@ -159,19 +179,13 @@ def _finish(
             raise RuntimeError("; ".join(failures))
         layout = gathered[0]["layout"]
         shared = {INDEX: cio.write_json(tmp / INDEX, _index(gathered))} if layout == "fsdp2" else {}
-        if plugins:
-            shared |= cio.write_bundle(tmp, "plugins", {p.name: p.state_dict() for p in engine.plugins})
-        stems = ["rng"] if len(rng_states) == 1 else [f"rng-{r}" for r in range(len(rng_states))]
-        for stem, rng in zip(stems, rng_states, strict=True):
-            shared |= cio.write_bundle(tmp, stem, rng)
-        run = identity.run_id(engine.state)  # the run's identity, in its state and its manifest (identity.py)
-        state_files, history, linked = write_trainer_state(engine.state, tmp, final)  # history.py
+        for stem, structure, tensors in bundles:
+            shared |= cio.write_split_bundle(tmp, stem, structure, tensors)
+        state_files, history, linked = write_trainer_state(trainer_state, tmp, final)  # history.py
         shared |= state_files
         files = {name: entry for written in gathered for name, entry in written["files"].items()} | shared
-        listed = {
-            "global_step": engine.state.global_step, "world_size": len(gathered), SHARDED: layout, **history, **info,
-            identity.MANIFEST_KEY: run,
-        }  # fmt: skip
+        listed = {"global_step": fields["global_step"], "world_size": len(gathered), SHARDED: layout, **history,
+                  **fields}  # fmt: skip
         cio.write_manifest(tmp, files, listed, entries=files)  # every rank hashed its own files as it wrote them
         cio.sync_files(tmp, [*(name for name in shared if name not in linked), cio.MANIFEST])
         publish_directory(tmp, final)

@@ -51,12 +51,13 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_from_main(value: Any) -> Any:
-    """Rank 0's ``value`` on every process (a path, a decision); the value travels pickled in memory only."""
+def broadcast_from_main(value: Any, group: Any = None) -> Any:
+    """Rank 0's ``value`` on every process (a path, a decision); the value travels pickled in memory only.
+    ``group``: another process group than the default one (a writer thread's: checkpoints/sharded_async.py)."""
     if world_size() == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -69,13 +70,21 @@ def all_gather(value: Any) -> list[Any]:
     return gathered
 
 
-def gather_to_main(value: Any) -> list[Any] | None:
-    """Every rank's ``value`` in rank order on rank 0; None on the other ranks."""
+def gather_to_main(value: Any, group: Any = None) -> list[Any] | None:
+    """Every rank's ``value`` in rank order on rank 0; None on the other ranks (``group``: as broadcast_from_main)."""
     if world_size() == 1:
         return [value]
     gathered: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    dist.gather_object(value, gathered, dst=0)
+    dist.gather_object(value, gathered, dst=0, group=group)
     return gathered
+
+
+def keep_last_barrier(group: Any) -> None:
+    """``close_group``'s safe ending for a group made with ``new_group`` (its own threads): a barrier on it whose
+    work is kept for the process, so no gloo worker of that group frees a tensor while Python finalizes.
+    Every rank of the group calls it; the group stays usable."""
+    if group is not None and dist.is_available() and dist.is_initialized():
+        _last_barrier(group)
 
 
 def collective_device() -> torch.device:
@@ -100,7 +109,7 @@ def close_group() -> None:
         dist.destroy_process_group()
 
 
-def _last_barrier() -> None:
+def _last_barrier(group: Any = None) -> None:
     """A barrier, the group's last collective, whose work this process keeps until it ends.
 
     gloo runs each collective on one of the group's worker threads, which drops its reference to the finished
@@ -112,7 +121,7 @@ def _last_barrier() -> None:
     snapshots, under the lock the workers release their works with, every work in progress or queued; kept
     alive (one object, never freed), it frees none of them, so no worker thread frees a tensor after this.
     """
-    work = dist.barrier(async_op=True)
+    work = dist.barrier(group=group, async_op=True)
     work.wait()
     # a Python reference alone could be dropped while finalizing, before a delayed worker drops its own
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
