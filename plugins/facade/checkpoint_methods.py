@@ -73,13 +73,15 @@ class TrainerCheckpointing:
         """Write the checkpoint of this step (transformers' ``_save_checkpoint``): the Checkpointing plugin's."""
         write, self._checkpoint_write = self._checkpoint_write, None
         record_callback_states(self)
+        direct = write is None
         if write is None:  # a direct call, not the plugin's save: write one now, as the plugin would
             self.store_flos()  # type: ignore[attr-defined]  # the plugin's SAVE stores them first (transformers' order)
             plugin = _checkpointing(self)
             write = lambda: plugin.write(self)  # noqa: E731
         write()
-        if self.overrides("_save_checkpoint"):  # type: ignore[attr-defined]
-            # the override's code after super() reads or adds to checkpoint-N: it is on disk when super() returns
+        if direct or self.overrides("_save_checkpoint"):  # type: ignore[attr-defined]
+            # a direct call, or an override's code after super(), reads or adds to checkpoint-N: it is on disk
+            # when _save_checkpoint returns (save_async writes the plugin's own saves in the background)
             _checkpointing(self).wait_for_writes(self, f"{type(self).__name__}._save_checkpoint")  # type: ignore[arg-type]
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
