@@ -21,9 +21,11 @@ from the schedule then, any schedule will do, and the run is bit for bit the han
 (``scaler.step``; ``scheduler.step()`` every step). Only the counts are taken back at the logging point.
 
 A step is decided on the host instead (one read, as before) where the device cannot decide it alone: a
-non-fused optimizer, a step function or several optimizers, gradients on several devices, fused SGD with
-momentum before its buffers exist (its first step builds them even when skipped), and engines where something
-else counts taken steps (an OPTIMIZER_STEP handler other than the schedule's, ``SkipNonFinite``).
+non-fused optimizer, a step function or several optimizers, gradients on several devices, engines where something
+else counts taken steps (an OPTIMIZER_STEP handler other than the schedule's, ``SkipNonFinite``), and the steps
+before the optimizer's state exists: a fused optimizer builds it in a step it skips (Adam's zero moments; fused
+SGD's momentum buffers, left uninitialised), so until the first step taken each step is decided on the host and
+the optimizer's state is what it was, step for step (usually the first steps only, while the scale settles).
 """
 
 from __future__ import annotations
@@ -98,15 +100,19 @@ class DeviceSkip:
         self.optimizer: torch.optim.Optimizer | None = None  # the bound optimizer; another one is decided on the host
         self.counter: torch.Tensor | None = None  # on the device: steps skipped there
         self.reconciled = 0  # the counter's value the host has accounted for
-        self.unprimed_sgd = False
+        self.on_host = 0  # skips decided on the host but counted as taken (keep_schedule), not yet taken back
+        self.unprimed = False  # the optimizer has no state yet for some parameter it steps
 
-    def bind(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    def bind(self, optimizer: torch.optim.Optimizer, device: torch.device, keep_schedule: bool) -> None:
+        """Skip ``optimizer``'s steps on ``device``. Until its state exists the host decides; with
+        ``keep_schedule`` (the reference is the hand-written loop, whose skipped steps build Adam's zero state
+        too) only for fused SGD with momentum, whose skipped first step leaves its buffers uninitialised."""
         self.optimizer = optimizer
         counter = self.counter if self.counter is not None else torch.zeros(())
         self.counter = counter.to(device)
-        self.unprimed_sgd = isinstance(optimizer, torch.optim.SGD) and any(
-            g["momentum"] for g in optimizer.param_groups
-        )
+        momentum = isinstance(optimizer, torch.optim.SGD) and any(g["momentum"] for g in optimizer.param_groups)
+        stateless = isinstance(optimizer, torch.optim.SGD) and not momentum
+        self.unprimed = momentum if keep_schedule else not stateless
 
     def unbind(self) -> None:
         self.optimizer = None
@@ -118,7 +124,7 @@ class DeviceSkip:
         (flag,) = found.values()
         if self.counter is None or flag.device != self.counter.device:
             return None
-        if self.unprimed_sgd and not self._sgd_primed(optimizer):
+        if self.unprimed and not self._primed(optimizer):
             return None
         return flag
 
@@ -134,22 +140,27 @@ class DeviceSkip:
             self.counter.add_(flag)
         return stepped
 
-    def _sgd_primed(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _primed(self, optimizer: torch.optim.Optimizer) -> bool:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if all("momentum_buffer" in optimizer.state.get(p, {}) for p in params):
-            self.unprimed_sgd = False
-        return not self.unprimed_sgd
+        if all(optimizer.state.get(p) for p in params):
+            self.unprimed = False
+        return not self.unprimed
+
+    def skipped_on_host(self) -> None:
+        """A skip the host decided, which the engine counts as taken (keep_schedule): taken back as the others."""
+        self.on_host += 1
 
     def pending(self) -> int:
         """Skips on the device the host has not accounted for (one host read)."""
-        return 0 if self.counter is None else int(self.counter.item()) - self.reconciled
+        return self.on_host + (0 if self.counter is None else int(self.counter.item()) - self.reconciled)
 
     def reconcile(self, engine: Engine, keep_schedule: bool) -> int:
         """Read the counter (one host read); take the new skips back from the counts (and the schedule)."""
         if self.counter is None:
             return 0
         total = int(self.counter.item())
-        new = total - self.reconciled
+        new = total - self.reconciled + self.on_host
+        self.on_host = 0
         if new:
             engine.state.optimizer_steps_taken -= new
             scheduler = None if keep_schedule else schedule_of(engine)
@@ -161,7 +172,7 @@ class DeviceSkip:
     def load(self, pending: int) -> None:
         """A checkpoint's unaccounted skips: the counter starts from them, to be taken back at the next read."""
         self.counter = torch.tensor(float(pending))
-        self.reconciled = 0
+        self.reconciled = self.on_host = 0
 
 
 def check_pending(value: Any) -> int:

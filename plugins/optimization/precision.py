@@ -222,8 +222,7 @@ class MixedPrecision(Plugin):
             if flag is not None:  # the optimizer skips on the device; the host learns it at the logging point
                 stepped = self._device.step(optimizer, flag, inner) is not False
             elif bool(sum(v.item() for v in found.values())):  # the one host read of an fp16 step
-                stepped = False
-                self.skipped_steps += 1
+                stepped = self._skipped_on_host(optimizer)
             else:
                 stepped = inner(optimizer) is not False  # None from a plain optimizer.step()
             self.scaler.update()
@@ -231,6 +230,16 @@ class MixedPrecision(Plugin):
             return stepped
 
         return scaled_step
+
+    def _skipped_on_host(self, optimizer: torch.optim.Optimizer) -> bool:
+        """An overflow read on the host: not stepped; with keep_schedule and a skip on the device, a step the
+        schedule counts (every skip alike), taken back from the counts at the logging point as the others."""
+        if self.keep_schedule and self.device_skip:
+            self._device.skipped_on_host()
+            optimizer._opt_called = True  # type: ignore[attr-defined]  # as a fused step would: torch's scheduler
+            return True  # then does not warn that it steps first (it does so on purpose here)
+        self.skipped_steps += 1
+        return False
 
     # -- handlers --------------------------------------------------------------------------------
     def unscale(self, ev: BeforeOptimizerStepEvent) -> None:
@@ -254,7 +263,7 @@ class MixedPrecision(Plugin):
         self.device_skip = reason is None
         if reason is None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            self._device.bind(optimizer, params[0].device if params else engine.device)
+            self._device.bind(optimizer, params[0].device if params else engine.device, self.keep_schedule)
         else:  # decided on the host; skips a checkpoint had not taken back yet are taken back now
             self._device.unbind()
             self.skipped_steps += self._device.reconcile(engine, self.keep_schedule)
