@@ -99,6 +99,11 @@ class MixedPrecision(Plugin):
         ...                 loss_fn=torch.nn.MSELoss(), plugins=[amp])
         >>> engine.fit().optimizer_steps_taken + amp.skipped_steps
         3
+        >>> amp = MixedPrecision("fp16", init_scale=2.0**8)  # a fused optimizer: overflows skipped on the device
+        >>> engine = Engine(model, torch.optim.AdamW(model.parameters(), fused=True), train_data=data, max_epochs=1,
+        ...                 loss_fn=torch.nn.MSELoss(), plugins=[amp])
+        >>> engine.fit().optimizer_steps_taken + amp.skipped_steps, amp.device_skip
+        (3, True)
     """
 
     priority = Priority.FIRST
@@ -218,7 +223,7 @@ class MixedPrecision(Plugin):
             if not self._unscaled:  # called outside the loop's BEFORE_OPTIMIZER_STEP
                 self.scaler.unscale_(optimizer)
             found = self.scaler._found_inf_per_device(optimizer)
-            flag = self._device.flag(optimizer, found) if self._unscaled else None
+            flag = self._device.flag(optimizer, found) if self.device_skip and self._unscaled else None
             if flag is not None:  # the optimizer skips on the device; the host learns it at the logging point
                 stepped = self._device.step(optimizer, flag, inner) is not False
             elif bool(sum(v.item() for v in found.values())):  # the one host read of an fp16 step
