@@ -241,11 +241,15 @@ def test_keep_schedule_steps_the_schedule_on_a_skip_the_host_decided_too() -> No
 
 
 # -- no host read per step --------------------------------------------------------------------------------
-def syncs(steps: int, sync: bool | None, log_every: int | None) -> int:
+def syncs(steps: int, sync: bool | None, log_every: int | None, within: list[int] | None = None) -> int:
+    """Host reads in the run; ``within`` gets those inside each step (STEP_START to STEP_END)."""
     data = batches(steps)
     amp = MixedPrecision("fp16", init_scale=2.0**4, sync=sync)
     engine = make_engine(steps, amp, {2, 3}, log_every=log_every, data=data)
     with count_syncs(on_device=everything_but(data)) as counter:  # the CPU proxy: all but the batches are "GPU"
+        if within is not None:
+            engine.on(Event.STEP_START, lambda ev: within.append(-counter.count), priority=Priority.FIRST + 10)
+            engine.on(Event.STEP_END, lambda ev: within.__setitem__(-1, within[-1] + counter.count))
         engine.fit()
     return counter.count
 
@@ -256,6 +260,11 @@ def test_no_host_read_per_step_only_one_per_logging_window_and_at_the_end() -> N
         assert syncs(steps, None, None) == 1 + 1  # TRAIN_END's read, however many steps
         assert syncs(steps, None, 3) == 1 + steps // 3 + 1
         assert syncs(steps, True, None) == syncs(steps, True, 3) == steps  # the host-read path: one per step
+    device: list[int] = []
+    host: list[int] = []
+    syncs(9, None, 3, device)
+    syncs(9, True, 3, host)
+    assert device == [1] + [0] * 8 and host == [1] * 9  # skips at 2 and 3 read at the logging point after step 3
 
 
 def per_step_ops(run: Any) -> list[Counter[str]]:
