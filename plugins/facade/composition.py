@@ -118,7 +118,9 @@ def _model_plugins(args: TrainingArguments) -> list[Plugin]:
         plugins.append(GradientCheckpointing(args.gradient_checkpointing_kwargs))
     deepspeed = getattr(args, "deepspeed_plugin", None) is not None  # DeepSpeed owns precision and clipping
     if (args.fp16 or args.bf16) and not deepspeed:
-        plugins.append(MixedPrecision("fp16" if args.fp16 else "bf16"))
+        # fp16: transformers (through accelerate) steps the schedule on an overflowed step of a fused optimizer, its
+        # default (GradScaler calls a fused step, which skips inside): keep_schedule does so with no host read
+        plugins.append(MixedPrecision("fp16", keep_schedule=True) if args.fp16 else MixedPrecision("bf16"))
     if args.fp16_full_eval or args.bf16_full_eval:
         plugins.append(HalfPrecisionEval("fp16" if args.fp16_full_eval else "bf16"))
     return plugins
