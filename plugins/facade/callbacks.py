@@ -176,10 +176,10 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
             (Event.TRAIN_END, "on_train_end", Priority.DEFAULT),
             (Event.EVAL_BATCH_END, "on_prediction_step", Priority.CONSUMER),
             (Event.PREDICT_BATCH_END, "on_prediction_step", Priority.CONSUMER),
-            (Event.SAVE, "on_save", Priority.CONSUMER.after("Checkpointing")),
         )
         for event, name, priority in simple:
             self.on(engine, event, self._caller(name), priority=priority)
+        self.on(engine, Event.SAVE, self.save, priority=Priority.CONSUMER.after("Checkpointing"))
         self.on(engine, Event.LOG, self.log, priority=Priority.CONSUMER)
         self.on(engine, Event.EVAL_START, self.eval_start)
         # after the eval metrics are logged (DEFAULT) and before a best-metric keeper updates the state
@@ -233,6 +233,17 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
             elif not wanted and handle is not None:
                 handle.remove()
                 del self._step_handles[key]
+
+    def save(self, ev: Any) -> None:
+        """``on_save``, with the checkpoint on disk: a callback's ``on_save`` may read, copy or upload checkpoint-N, so
+        under ``save_async`` the write is waited for first when one overrides it (transformers calls it after the
+        save)."""
+        if any(_overrides(cb, "on_save") for cb in self.callbacks if standin_plugin(cb) is None):
+            for plugin in ev.engine.plugins:
+                wait = getattr(plugin, "wait_for_writes", None)
+                if callable(wait):
+                    wait(ev.engine, "a callback's on_save")
+        self.call_event("on_save", ev.engine)
 
     def _caller(self, name: str) -> Any:
         def call(ev: Any) -> None:
