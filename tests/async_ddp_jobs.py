@@ -1,0 +1,114 @@
+"""Jobs test_async_checkpoint_ddp.py launches with torchrun on two gloo processes: asynchronous checkpoints.
+
+``torchrun --standalone --nproc_per_node 2 tests/async_ddp_jobs.py JOB OUT``. The run is ``dist_jobs.py``'s resumed
+one (AdamW, float64 token model, uneven -100 padding, 6 steps, a checkpoint every 2), trained by the Trainer with
+``save_async`` False and True; every rank writes what it saw to ``OUT/JOB-rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dist_helpers import run_job_main
+from dist_jobs import RESUMED, CrashAt, _resumed_config, params_of, trainer_for
+
+CRASH_AT = 3  # the crashed run dies after checkpoint-2
+SLOW_WRITE = 1.0  # seconds crash_slow's writes wait before writing
+
+
+def on_disk(run: Path) -> dict[str, Any]:
+    """What this rank finds in ``run`` now: the complete checkpoints (every file verified), any temporary folder."""
+    from trainbus.plugins.checkpoints import verified
+    from trainbus.plugins.checkpoints.checkpoint import list_checkpoints
+
+    complete = []
+    for step, path in list_checkpoints(run):
+        verified.read_manifest(path)  # every listed file's size and hash: raises on a torn checkpoint
+        complete.append(step)
+    return {"complete": complete, "temporary": sorted(p.name for p in run.iterdir() if ".tmp-" in p.name)}
+
+
+def background_writes(trainer: Any) -> int:
+    from trainbus.plugins.checkpoints.checkpoint import Checkpointing
+
+    plugin = trainer.get_plugin(Checkpointing)
+    return -1 if plugin.writer is None else plugin.writer.writes
+
+
+@contextlib.contextmanager
+def slow_writes(seconds: float) -> Iterator[None]:
+    """Each background write waits ``seconds`` first: a rank that does not wait for it finds it missing."""
+    from trainbus.plugins.checkpoints.writing import PendingCheckpoint
+
+    original = PendingCheckpoint.write
+
+    def slow(self: PendingCheckpoint) -> Path:
+        time.sleep(seconds)
+        return original(self)
+
+    PendingCheckpoint.write = slow  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PendingCheckpoint.write = original  # type: ignore[method-assign]
+
+
+def runs(out: Path) -> dict[str, Any]:
+    """The run synchronously and asynchronously (its writes slow), then asynchronously dying at step CRASH_AT: each
+    rank looks at the checkpoints as soon as train() returns (or raises)."""
+    results: dict[str, Any] = {"config": RESUMED}
+    for name, save_async in (("sync", False), ("async", True)):
+        trainer = trainer_for(out / name, *_resumed_config(), save_async=save_async)
+        with slow_writes(0.3 if save_async else 0.0):
+            output = trainer.train()
+        results[name] = {"params": params_of(trainer.model), "log_history": list(trainer.state.log_history),
+                         "training_loss": output.training_loss, "on_disk": on_disk(out / name),
+                         "writes": background_writes(trainer)}  # fmt: skip
+    crashed = trainer_for(out / "crashed", *_resumed_config(), callbacks=[CrashAt(CRASH_AT)], save_async=True)
+    try:
+        crashed.train()
+    except RuntimeError as exc:
+        results["crashed"] = {"error": str(exc), "on_disk": on_disk(out / "crashed")}
+    return results
+
+
+def resume(out: Path) -> dict[str, Any]:
+    """The crashed asynchronous run resumed (``resume_from_checkpoint=True``) in a fresh launch, asynchronously."""
+    trainer = trainer_for(out / "crashed", *_resumed_config(), save_async=True)
+    output = trainer.train(resume_from_checkpoint=True)
+    return {"params": params_of(trainer.model), "log_history": list(trainer.state.log_history),
+            "training_loss": output.training_loss, "on_disk": on_disk(out / "crashed")}  # fmt: skip
+
+
+def crash_slow(out: Path) -> dict[str, Any]:
+    """The asynchronous run dying at step CRASH_AT on every rank, the error left to end the processes (torchrun then
+    stops the ranks still running), checkpoint-2's write slow: rank 0 is still writing when the others fail."""
+    trainer = trainer_for(out / "slow", *_resumed_config(), callbacks=[CrashAt(CRASH_AT)], save_async=True)
+    with slow_writes(SLOW_WRITE):
+        trainer.train()
+    raise AssertionError("the crash callback did not fire")
+
+
+def fsdp(out: Path) -> dict[str, Any]:
+    """FSDP2 sharded checkpoints with save_async False and True (the sharded save stays synchronous)."""
+    from sharded_jobs import full_params
+
+    config = {"transformer_layer_cls_to_wrap": ["Linear"]}
+    results: dict[str, Any] = {}
+    for name, save_async in (("fsdp-sync", False), ("fsdp-async", True)):
+        trainer = trainer_for(out / name, *_resumed_config(), fsdp=True, fsdp_config=config, save_async=save_async)
+        trainer.train()
+        results[name] = {"params": full_params(trainer.model), "on_disk": on_disk(out / name),
+                         "model": type(trainer.model).__name__}  # fmt: skip
+    return results
+
+
+JOBS = {"runs": runs, "resume": resume, "crash_slow": crash_slow, "fsdp": fsdp}
+
+if __name__ == "__main__":
+    run_job_main(JOBS, sys.argv[1:])

@@ -1,0 +1,71 @@
+"""Asynchronous checkpoints on two gloo processes, launched with torchrun as users launch (#36 item 1).
+
+The jobs are ``async_ddp_jobs.py``'s: ``dist_jobs.py``'s AdamW run trained by the Trainer with ``save_async`` False
+and True. Rank 0 writes in the background; every rank finds the checkpoints complete when train() returns; a run
+that crashed resumes in a fresh launch bit for bit; a rank 0 still writing when every rank fails finishes the write;
+FSDP2's sharded checkpoints (written synchronously) are those of a synchronous run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dist_helpers import launch_job, results, untimed
+from test_async_checkpoint import assert_same_checkpoints
+
+JOBS = Path(__file__).with_name("async_ddp_jobs.py")
+COMPLETE = {"complete": [2, 4, 6], "temporary": []}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("async_ddp")
+    launch_job(JOBS, "runs", out, 2)
+    return out
+
+
+def test_rank_0_writes_in_the_background_and_every_rank_finds_the_checkpoints_complete(launched: Path) -> None:
+    ranks = [results(launched, "runs", rank) for rank in range(2)]
+    for rank in ranks:
+        done, sync = rank["async"], rank["sync"]
+        assert done["on_disk"] == COMPLETE == sync["on_disk"]  # as soon as train() returned, on each rank
+        assert done["params"] == sync["params"]  # bit for bit
+        assert untimed(done["log_history"]) == untimed(sync["log_history"])
+        assert done["training_loss"] == sync["training_loss"]
+    assert [rank["async"]["writes"] for rank in ranks] == [3, 0]  # rank 0 wrote them, in the background
+    # the run that crashed at step 3: rank 0 finished checkpoint-2's write before train() raised
+    assert ranks[0]["crashed"] == {"error": "simulated crash at step 3", "on_disk": {"complete": [2], "temporary": []}}
+    assert_same_checkpoints(launched / "sync", launched / "async")
+    assert all((launched / "async" / "checkpoint-2" / f"rng-{rank}.json").is_file() for rank in range(2))
+
+
+def test_the_crashed_run_resumes_bit_exact_in_a_fresh_launch(launched: Path) -> None:
+    launch_job(JOBS, "resume", launched, 2)
+    sync = results(launched, "runs")["sync"]
+    for rank in range(2):
+        resumed = results(launched, "resume", rank)
+        assert resumed["params"] == sync["params"]  # bit for bit
+        assert untimed(resumed["log_history"]) == untimed(sync["log_history"])
+        assert resumed["training_loss"] == sync["training_loss"]
+        assert resumed["on_disk"] == COMPLETE
+    assert_same_checkpoints(launched / "sync", launched / "crashed", steps=(4, 6))
+
+
+def test_a_write_in_flight_when_every_rank_fails_is_finished(tmp_path: Path) -> None:
+    """torchrun stops rank 0 (SIGTERM) once rank 1 has failed; rank 0 is then still writing checkpoint-2."""
+    from async_ddp_jobs import on_disk
+
+    launch_job(JOBS, "crash_slow", tmp_path, 2, expect_failure="simulated crash at step 3")
+    assert on_disk(tmp_path / "slow") == {"complete": [2], "temporary": []}
+
+
+def test_fsdp2_sharded_checkpoints_with_save_async_equal_synchronous_ones(tmp_path: Path) -> None:
+    launch_job(JOBS, "fsdp", tmp_path, 2)
+    for rank in range(2):
+        ran = results(tmp_path, "fsdp", rank)
+        assert ran["fsdp-async"]["model"] == "FSDPTokenModel"  # sharded
+        assert ran["fsdp-async"]["on_disk"] == COMPLETE == ran["fsdp-sync"]["on_disk"]
+        assert ran["fsdp-async"]["params"] == ran["fsdp-sync"]["params"]
+    assert_same_checkpoints(tmp_path / "fsdp-sync", tmp_path / "fsdp-async")
+    assert (tmp_path / "fsdp-async" / "checkpoint-2" / "model-rank1.safetensors").is_file()
