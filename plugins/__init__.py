@@ -80,11 +80,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # checkpoints
     "checkpoints.checkpoint": (
         "Checkpointing",
+        "CheckpointWriteError",
         "LoadBestModelAtEnd",
         "save_checkpoint",
         "load_checkpoint",
         "resume",
         "latest_checkpoint",
+        "list_checkpoints",
         "save_model",
         "load_model_weights",
     ),
