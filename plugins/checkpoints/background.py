@@ -65,6 +65,7 @@ class BackgroundWriter:
         self._failed: PendingCheckpoint | None = None
         self.waited_seconds = 0.0  # the training thread's total wait for writes (for logs and benchmarks)
         self.writes = 0
+        self._warned = False
 
     @property
     def busy(self) -> bool:
@@ -108,6 +109,9 @@ class BackgroundWriter:
         waited = time.perf_counter() - started
         self.waited_seconds += waited
         if waiting and why:
+            if level >= logging.WARNING and self._warned:
+                level = logging.INFO  # once per writer as a warning: saves every step would repeat it every step
+            self._warned = self._warned or level >= logging.WARNING
             logger.log(level, "%s waited %.2f s for the background checkpoint write before it", why, waited)
         return waited
 
