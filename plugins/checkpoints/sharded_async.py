@@ -19,6 +19,7 @@ DeepSpeed ZeRO checkpoints are written by DeepSpeed's own engine and stay synchr
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -48,6 +49,8 @@ from .sharded_save import (
 )
 from .snapshot import HostBuffers
 from .zero import model_file
+
+logger = logging.getLogger("trainbus.checkpoint")
 
 __all__ = ["PendingSharded", "ShardedSaves", "take_sharded_checkpoint", "writer_group"]
 
@@ -174,13 +177,18 @@ class ShardedSaves:
     def __init__(self, plugin: Any) -> None:
         self.plugin = plugin
         self.group: Any = None
+        self.warned = False
 
     def save(
         self, engine: Engine, info: Mapping[str, Any], rng_states: Any, model_only: bool, background: bool
     ) -> str:
         """Save this step's checkpoint; returns "background" when a writer thread writes it, else "written"."""
         plugin = self.plugin
-        if not background or deepspeed_engine_of(engine.model) is not None:
+        deepspeed = deepspeed_engine_of(engine.model) is not None
+        if background and deepspeed and not self.warned:
+            self.warned = True
+            logger.warning("save_async: DeepSpeed writes its ZeRO checkpoints itself, so they are synchronous")
+        if not background or deepspeed:
             save_sharded_checkpoint(engine, plugin.output_dir, info=info, rng_states=rng_states, model_only=model_only)
             return "written"
         if self.group is None:
