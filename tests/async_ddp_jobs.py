@@ -14,8 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from dist_helpers import run_job_main
-from dist_jobs import RESUMED, CrashAt, _resumed_config, params_of, trainer_for
+from dist_jobs import (
+    RESUMED,
+    TRAIN_SIZE,
+    CrashAt,
+    TokenModel,
+    _resumed_config,
+    params_of,
+    per_device_batch,
+    train_set,
+    trainer_for,
+)
 
 CRASH_AT = 3  # the crashed run dies after checkpoint-2
 SLOW_WRITE = 1.0  # seconds crash_slow's writes wait before writing
@@ -74,7 +85,28 @@ def runs(out: Path) -> dict[str, Any]:
         crashed.train()
     except RuntimeError as exc:
         results["crashed"] = {"error": str(exc), "on_disk": on_disk(out / "crashed")}
+    results["engine"] = engine_run(out / "engine")
     return results
+
+
+def engine_run(run: Path) -> dict[str, Any]:
+    """A hand-composed Engine (Distributed, Checkpointing(save_async=True)), its writes slow: nothing but the
+    Checkpointing plugin makes the ranks meet after the last write."""
+    from torch.utils.data import DataLoader
+
+    from trainbus.engine import Engine
+    from trainbus.plugins import Checkpointing, Distributed, EpochSampler, default_data_collator
+
+    model = TokenModel()
+    loader = DataLoader(train_set(), batch_size=per_device_batch(), sampler=EpochSampler(TRAIN_SIZE, seed=0),
+                        collate_fn=default_data_collator)  # fmt: skip
+    plugins = [Distributed(), Checkpointing(run, save_strategy="steps", save_steps=2, save_async=True)]
+    engine = Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), train_data=loader, max_epochs=2, plugins=plugins
+    )
+    with slow_writes(0.3):
+        engine.fit()
+    return {"on_disk": on_disk(run), "writes": plugins[1].writer.writes}  # type: ignore[attr-defined]
 
 
 def resume(out: Path) -> dict[str, Any]:

@@ -34,6 +34,11 @@ def test_rank_0_writes_in_the_background_and_every_rank_finds_the_checkpoints_co
         assert untimed(done["log_history"]) == untimed(sync["log_history"])
         assert done["training_loss"] == sync["training_loss"]
     assert [rank["async"]["writes"] for rank in ranks] == [3, 0]  # rank 0 wrote them, in the background
+    # a bare Engine with Distributed: every rank leaves fit() once rank 0's last write is on disk
+    assert [rank["engine"] for rank in ranks] == [
+        {"on_disk": COMPLETE, "writes": 3},
+        {"on_disk": COMPLETE, "writes": 0},
+    ]
     # the run that crashed at step 3: rank 0 finished checkpoint-2's write before train() raised
     assert ranks[0]["crashed"] == {"error": "simulated crash at step 3", "on_disk": {"complete": [2], "temporary": []}}
     assert_same_checkpoints(launched / "sync", launched / "async")
