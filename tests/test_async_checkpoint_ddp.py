@@ -45,16 +45,22 @@ def test_rank_0_writes_in_the_background_and_every_rank_finds_the_checkpoints_co
     assert all((launched / "async" / "checkpoint-2" / f"rng-{rank}.json").is_file() for rank in range(2))
 
 
-def test_the_crashed_run_resumes_bit_exact_in_a_fresh_launch(launched: Path) -> None:
-    launch_job(JOBS, "resume", launched, 2)
-    sync = results(launched, "runs")["sync"]
+@pytest.fixture(scope="module")
+def relaunched(launched: Path) -> Path:
+    """A fresh launch: the crashed run resumed, then the FSDP2 runs (one start of the processes for both)."""
+    launch_job(JOBS, "resume_and_fsdp", launched, 2)
+    return launched
+
+
+def test_the_crashed_run_resumes_bit_exact_in_a_fresh_launch(relaunched: Path) -> None:
+    sync = results(relaunched, "runs")["sync"]
     for rank in range(2):
-        resumed = results(launched, "resume", rank)
+        resumed = results(relaunched, "resume_and_fsdp", rank)["resume"]
         assert resumed["params"] == sync["params"]  # bit for bit
         assert untimed(resumed["log_history"]) == untimed(sync["log_history"])
         assert resumed["training_loss"] == sync["training_loss"]
         assert resumed["on_disk"] == COMPLETE
-    assert_same_checkpoints(launched / "sync", launched / "crashed", steps=(4, 6))
+    assert_same_checkpoints(relaunched / "sync", relaunched / "crashed", steps=(4, 6))
 
 
 def test_a_write_in_flight_when_every_rank_fails_is_finished(tmp_path: Path) -> None:
@@ -65,12 +71,11 @@ def test_a_write_in_flight_when_every_rank_fails_is_finished(tmp_path: Path) -> 
     assert on_disk(tmp_path / "slow") == {"complete": [2], "temporary": []}
 
 
-def test_fsdp2_sharded_checkpoints_with_save_async_equal_synchronous_ones(tmp_path: Path) -> None:
-    launch_job(JOBS, "fsdp", tmp_path, 2)
+def test_fsdp2_sharded_checkpoints_with_save_async_equal_synchronous_ones(relaunched: Path) -> None:
     for rank in range(2):
-        ran = results(tmp_path, "fsdp", rank)
+        ran = results(relaunched, "resume_and_fsdp", rank)
         assert ran["fsdp-async"]["model"] == "FSDPTokenModel"  # sharded
         assert ran["fsdp-async"]["on_disk"] == COMPLETE == ran["fsdp-sync"]["on_disk"]
         assert ran["fsdp-async"]["params"] == ran["fsdp-sync"]["params"]
-    assert_same_checkpoints(tmp_path / "fsdp-sync", tmp_path / "fsdp-async")
-    assert (tmp_path / "fsdp-async" / "checkpoint-2" / "model-rank1.safetensors").is_file()
+    assert_same_checkpoints(relaunched / "fsdp-sync", relaunched / "fsdp-async")
+    assert (relaunched / "fsdp-async" / "checkpoint-2" / "model-rank1.safetensors").is_file()
