@@ -183,13 +183,12 @@ def test_the_buffers_are_reused_and_hold_the_saving_steps_values(
             assert release.wait(60), "never released"
         return original_write(self)
 
-    pointers: list[dict[str, int]] = []
+    pointers: list[tuple[str, dict[str, int]]] = []  # each take's buffers: weights, optimizer, plugins, rng
 
     def take(self: HostBuffers, prefix: str, tensors: Any) -> dict[str, torch.Tensor]:
         copies = original_take(self, prefix, tensors)
         assert all(copies[k].data_ptr() != t.data_ptr() for k, t in tensors.items() if t.numel())  # a real copy
-        if prefix == "optimizer":
-            pointers.append({k: v.data_ptr() for k, v in copies.items()})
+        pointers.append((prefix, {k: v.data_ptr() for k, v in copies.items()}))
         return copies
 
     monkeypatch.setattr(PendingCheckpoint, "write", held_write)
@@ -220,7 +219,7 @@ def test_the_buffers_are_reused_and_hold_the_saving_steps_values(
     optimizer = cio.read_bundle(tmp_path / "checkpoint-4", "optimizer")
     for saved, recorded in zip(optimizer["state"].values(), at_save["exp_avg"], strict=True):
         assert torch.equal(saved["exp_avg"], recorded)
-    assert len(pointers) == 2 and pointers[0] == pointers[1]  # the second save reused the first one's buffers
+    assert len(pointers) == 8 and pointers[:4] == pointers[4:]  # the second save reused the first one's buffers
 
 
 # -- best model, rotation ------------------------------------------------------------------------------
