@@ -29,7 +29,7 @@ from dist_jobs import (
 )
 
 CRASH_AT = 3  # the crashed run dies after checkpoint-2
-SLOW_WRITE = 1.0  # seconds crash_slow's writes wait before writing
+SLOW_WRITE = 2.0  # seconds crash_slow's writes wait before writing
 
 
 def on_disk(run: Path) -> dict[str, Any]:
@@ -89,12 +89,12 @@ def runs(out: Path) -> dict[str, Any]:
     return results
 
 
-def engine_run(run: Path) -> dict[str, Any]:
+def engine_run(run: Path, crash_at: int | None = None, seconds: float = 0.3) -> dict[str, Any]:
     """A hand-composed Engine (Distributed, Checkpointing(save_async=True)), its writes slow: nothing but the
-    Checkpointing plugin makes the ranks meet after the last write."""
+    Checkpointing plugin makes the ranks meet after the last write. ``crash_at``: every rank fails at that step."""
     from torch.utils.data import DataLoader
 
-    from trainbus.engine import Engine
+    from trainbus.engine import Engine, Event
     from trainbus.plugins import Checkpointing, Distributed, EpochSampler, default_data_collator
 
     model = TokenModel()
@@ -104,9 +104,17 @@ def engine_run(run: Path) -> dict[str, Any]:
     engine = Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.5), train_data=loader, max_epochs=2, plugins=plugins
     )
-    with slow_writes(0.3):
+    if crash_at is not None:
+        engine.on(Event.STEP_END, lambda ev: CrashAt(crash_at).on_step_end(None, ev.engine.state, None))
+    with slow_writes(seconds):
         engine.fit()
     return {"on_disk": on_disk(run), "writes": plugins[1].writer.writes}  # type: ignore[attr-defined]
+
+
+def engine_crash_slow(out: Path) -> dict[str, Any]:
+    """crash_slow with a hand-composed Engine: no Preemption plugin handles torchrun's SIGTERM on rank 0."""
+    engine_run(out / "engine", crash_at=CRASH_AT, seconds=SLOW_WRITE)
+    raise AssertionError("the crash did not happen")
 
 
 def resume(out: Path) -> dict[str, Any]:
@@ -145,7 +153,12 @@ def resume_and_fsdp(out: Path) -> dict[str, Any]:
     return {"resume": resume(out), **fsdp(out)}
 
 
-JOBS = {"runs": runs, "resume_and_fsdp": resume_and_fsdp, "crash_slow": crash_slow}
+JOBS = {
+    "runs": runs,
+    "resume_and_fsdp": resume_and_fsdp,
+    "crash_slow": crash_slow,
+    "engine_crash_slow": engine_crash_slow,
+}
 
 if __name__ == "__main__":
     run_job_main(JOBS, sys.argv[1:])
