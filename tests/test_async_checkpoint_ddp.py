@@ -2,8 +2,10 @@
 
 The jobs are ``async_ddp_jobs.py``'s: ``dist_jobs.py``'s AdamW run trained by the Trainer with ``save_async`` False
 and True. Rank 0 writes in the background; every rank finds the checkpoints complete when train() returns; a run
-that crashed resumes in a fresh launch bit for bit; a rank 0 still writing when every rank fails finishes the write;
-FSDP2's sharded checkpoints (written synchronously) are those of a synchronous run.
+that crashed resumes in a fresh launch bit for bit; a rank 0 still writing when every rank fails finishes the write
+(the Trainer; a bare Engine loses it: xfail, NOTES.md); FSDP2's sharded checkpoints (written synchronously) are those of
+a synchronous run. A hand-composed Engine with Distributed checks that the Checkpointing plugin itself makes the ranks
+meet after the last write.
 """
 
 from __future__ import annotations
