@@ -3,8 +3,8 @@
 The jobs are ``async_ddp_jobs.py``'s: ``dist_jobs.py``'s AdamW run trained by the Trainer with ``save_async`` False
 and True. Rank 0 writes in the background; every rank finds the checkpoints complete when train() returns; a run
 that crashed resumes in a fresh launch bit for bit; a rank 0 still writing when every rank fails finishes the write
-(the Trainer; a bare Engine loses it: xfail, NOTES.md); FSDP2's sharded checkpoints (written synchronously) are those of
-a synchronous run. A hand-composed Engine with Distributed checks that the Checkpointing plugin itself makes the ranks
+(the Trainer and a bare Engine: the other ranks wait for rank 0's word through the store); FSDP2's sharded
+checkpoints are those of a synchronous run. A hand-composed Engine with Distributed checks that the Checkpointing plugin itself makes the ranks
 meet after the last write.
 """
 
@@ -73,9 +73,6 @@ def test_a_write_in_flight_when_every_rank_fails_is_finished(tmp_path: Path) -> 
     assert on_disk(tmp_path / "slow") == {"complete": [2], "temporary": []}
 
 
-@pytest.mark.xfail(
-    strict=True, reason="bug (NOTES.md, semantics): a failed run's other ranks do not wait for rank 0's write"
-)
 def test_a_bare_engines_write_in_flight_when_every_rank_fails_is_finished(tmp_path: Path) -> None:
     """The same without the Trainer: no Preemption plugin turns torchrun's SIGTERM into a flag on rank 0."""
     from async_ddp_jobs import on_disk

@@ -77,16 +77,26 @@ class BackgroundWriter:
         """A write failed and its error has not been raised yet (one attribute read: the per-step check)."""
         return self._error is not None
 
-    def submit(self, pending: PendingCheckpoint, then: Callable[[Path], None], why: str = "a checkpoint") -> None:
-        """Write ``pending`` in the background, then call ``then(final)`` there (rotation); waits for the write
-        before (logged when it had to wait)."""
+    def submit(
+        self,
+        pending: PendingCheckpoint,
+        then: Callable[[Path], None],
+        why: str = "a checkpoint",
+        finally_: Callable[[], None] | None = None,
+    ) -> None:
+        """Write ``pending`` in the background, then call ``then(final)`` there (rotation), and ``finally_()`` once
+        the write ended either way (telling the other ranks); waits for the write before (logged when it had to)."""
         self.wait(why)
         self._pending = pending
-        thread = threading.Thread(target=self._run, args=(pending, then), name="trainbus-checkpoint-writer")
+        thread = threading.Thread(
+            target=self._run, args=(pending, then, finally_), name="trainbus-checkpoint-writer"
+        )
         self._thread = thread
         thread.start()
 
-    def _run(self, pending: PendingCheckpoint, then: Callable[[Path], None]) -> None:
+    def _run(
+        self, pending: PendingCheckpoint, then: Callable[[Path], None], finally_: Callable[[], None] | None
+    ) -> None:
         _lower_priority()
         try:
             final = pending.write()
@@ -95,6 +105,12 @@ class BackgroundWriter:
         except BaseException as exc:  # kept for the training thread: an error here is never lost
             self._error, self._failed = exc, pending
             logger.error("the background write of %s failed: %s", pending.final, exc)
+        finally:
+            if finally_ is not None:
+                try:
+                    finally_()
+                except Exception as exc:  # the store is gone: the other ranks stop waiting at their time limit
+                    logger.warning("could not tell the other ranks that %s was written: %s", pending.final, exc)
 
     def wait(self, why: str = "", level: int = logging.WARNING) -> float:
         """Wait for the write in flight (if any); returns the seconds waited, logged at ``level`` naming ``why`` when

@@ -48,6 +48,7 @@ from ..control.flow import SaveSchedule, interval
 from ..control.strategies import SaveStrategy
 from ..data.loading import ensure_resumable_data
 from ..distributed.processes import barrier, gather_to_main, rank
+from .async_saves import AsyncSaves
 from .background import BackgroundWriter, CheckpointWriteError
 from .checkpoint_checks import check_checkpointing_arguments, check_checkpointing_options, unscheduled_saves
 from .directory import PREFIX, latest_checkpoint, list_checkpoints
@@ -67,7 +68,6 @@ from .rng import checkpoint_rng_state
 from .rotation import checkpoints_to_keep, delete_or_warn, rotate_checkpoints, same_path
 from .sharded import saved_by_every_rank
 from .sharded_async import ShardedSaves
-from .snapshot import HostBuffers
 from .writing import PendingCheckpoint, take_checkpoint
 
 logger = logging.getLogger("trainbus.checkpoint")
@@ -204,9 +204,7 @@ class Checkpointing(Plugin):
         self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
         self.claim = RunClaim(self.output_dir)  # the output_dir lock and which checkpoints are this run's
         self.save_async = save_async
-        self.writer = BackgroundWriter() if save_async else None
-        self._buffers = HostBuffers()  # host copies of an asynchronous save's tensors, reused between saves
-        self._barrier_due = False  # an asynchronous save since the last wait: every rank meets once it is written
+        self._async = AsyncSaves(self.output_dir) if save_async else None  # the writer, its buffers, the waits
         self._sharded = ShardedSaves(self)  # FSDP2 / DeepSpeed: every rank writes its part (sharded_async.py)
 
     def schedules(self) -> set[str]:
@@ -228,7 +226,7 @@ class Checkpointing(Plugin):
         # a new run sets the earlier run's checkpoints aside first (lineage.py), whatever the composition
         self.on(engine, Event.TRAIN_START, self._claim_run, priority=Priority.FIRST, before="*")
         self.on(engine, Event.TRAIN_END, self._release_lock, priority=Priority.LAST, after="*", cleanup=True)
-        if self.writer is not None:  # a write in flight ends before anything reads checkpoints at TRAIN_END
+        if self._async is not None:  # a write in flight ends before anything reads checkpoints at TRAIN_END
             self.on(engine, Event.TRAIN_END, self._end_writes, priority=Priority.FIRST, before="*", cleanup=True)
             self.on(engine, Event.STEP_END, self._raise_write_error, priority=Priority.FIRST)
         if self.only_best_at_end:
@@ -269,6 +267,8 @@ class Checkpointing(Plugin):
             self._schedule.eval_end(engine.state, engine.control)  # "best": after a new best
 
     def _claim_run(self, ev: TrainStartEvent) -> None:
+        if self._async is not None:
+            self._async.training = True  # saves go to the background until TRAIN_END waits for them
         if self.claim.start(ev.engine):
             self._written = []  # a new run: the checkpoints it writes are its own
 
@@ -303,13 +303,13 @@ class Checkpointing(Plugin):
     def write(self, engine: Engine, *, wait: bool = False) -> None:
         """Write this step's checkpoint (every rank calls it) and rotate; with ``save_async``, in the background
         unless ``wait`` or the save is a stop's (Preemption's: whole and on disk before the process ends)."""
-        if self.writer is not None:
-            self.wait_for_writes(engine, why=f"the save at step {engine.state.global_step}", expected=False)
+        if self._async is not None:
+            self._async.wait(engine, why=f"the save at step {engine.state.global_step}", expected=False)
         rng_states = gather_to_main(checkpoint_rng_state(engine))  # every rank's, on rank 0 (all ranks call it)
         final = self.output_dir / f"{PREFIX}{engine.state.global_step}"
         main = rank() == 0 and engine.state.is_world_process_zero
         model_only = self.save_only_model and not self.resumable_next  # a stop's checkpoint is resumed from
-        background = self.writer is not None and not (wait or self.resumable_next)
+        background = self._async is not None and self._async.training and not (wait or self.resumable_next)
         self.resumable_next = False  # taken before writing: a signal during this save asks for the next one
         info: dict[str, Any] = {}
         if self.best_metric_key is not None:
@@ -323,22 +323,21 @@ class Checkpointing(Plugin):
             elif main:
                 pending = take_checkpoint(
                     engine, self.output_dir, info=info, rng_states=rng_states, model_only=model_only,
-                    model_folder=self.model_folder, buffers=self._buffers if background else None,
+                    model_folder=self.model_folder, buffers=self._async.buffers if self._async and background else None,
                 )  # fmt: skip
                 best = engine.state.best_model_checkpoint
-                if background:
-                    assert self.writer is not None
-                    self.writer.submit(pending, lambda final: self._published(best, final, main))
+                if self._async is not None and background:
+                    self._async.submit(engine, pending, lambda final: self._published(best, final, main))
                 else:
                     self._published(best, _write_now(pending, engine), main)
             else:  # rank 0 writes; the others record what it records
+                if self._async is not None and background:
+                    self._async.follow(engine)
                 if engine.state.best_global_step == engine.state.global_step:
                     engine.state.best_model_checkpoint = str(final)
                 self._published(engine.state.best_model_checkpoint, final, main)
         finally:
-            if background:
-                self._barrier_due = True  # every rank meets once the write is done: at the next wait
-            else:
+            if not background:
                 barrier()  # no rank reads (resume, best model) before the checkpoint is complete
 
     def _published(self, best: str | None, final: Path, main: bool) -> None:
@@ -349,32 +348,29 @@ class Checkpointing(Plugin):
             rotate_checkpoints(self.output_dir, self.save_total_limit, best, self._written)
         self.last_saved = final
 
+    @property
+    def writer(self) -> BackgroundWriter | None:
+        """The background writer of ``save_async`` (None without)."""
+        return None if self._async is None else self._async.writer
+
     def wait_for_writes(
         self, engine: Engine, why: str = "", *, raise_error: bool = True, expected: bool = True
     ) -> None:
         """Wait until the background write in flight is on disk (every rank calls it: they meet after it), then
-        raise its error if it failed. Without ``save_async``: nothing to wait for. A wait that is not
-        ``expected`` (a save finding the last one still writing) is logged as a warning."""
-        if self.writer is None:
-            return
-        self.writer.wait(why, logging.INFO if expected else logging.WARNING)
-        if self._barrier_due:
-            self._barrier_due = False
-            if raise_error:  # not in a failed run's cleanup: another rank may never come
-                barrier()
-        if raise_error:
-            self.writer.raise_error(engine.state)
+        raise its error if it failed; a handler reading a checkpoint at SAVE calls it first. Without
+        ``save_async``: nothing to wait for. A wait not ``expected`` is logged as a warning (``async_saves.py``)."""
+        if self._async is not None:
+            self._async.wait(engine, why, raise_error=raise_error, expected=expected)
 
     def _raise_write_error(self, ev: StepEndEvent) -> None:
-        writer = self.writer
-        if writer is not None and writer.failed:  # one attribute read per step
-            writer.raise_error(ev.engine.state)
+        if self._async is not None:
+            self._async.raise_if_failed(ev.engine)
 
     def _end_writes(self, ev: TrainEndEvent) -> None:
         """TRAIN_END, first: the write in flight ends before the best model is loaded, rotation keeps only the
         best and the lock is released; also when training failed (its error is then logged, not raised)."""
-        self.wait_for_writes(ev.engine, "the end of training", raise_error=ev.error is None)
-        self._buffers.clear()
+        if self._async is not None:
+            self._async.end(ev.engine, failed=ev.error is not None)
         if ev.error is None:
             self._sharded.end()  # the writers' group: its last collective kept (gloo's exit, processes.py)
 

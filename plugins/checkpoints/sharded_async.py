@@ -193,12 +193,14 @@ class ShardedSaves:
             return "written"
         if self.group is None:
             self.group = writer_group()  # every rank at this SAVE, the first asynchronous one
+        saves = plugin._async  # AsyncSaves (async_saves.py)
         pending = take_sharded_checkpoint(
-            engine, plugin.output_dir, plugin._buffers, info=info, rng_states=rng_states, model_only=model_only
+            engine, plugin.output_dir, saves.buffers, info=info, rng_states=rng_states, model_only=model_only
         )
         pending.group = self.group
         best, main = engine.state.best_model_checkpoint, pending.rank == 0
-        plugin.writer.submit(pending, lambda final: plugin._published(best, final, main))
+        saves.writer.submit(pending, lambda final: plugin._published(best, final, main))
+        saves.written_elsewhere()
         return "background"
 
     def end(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import datetime
 import sys
 from types import TracebackType
 from typing import Any
@@ -77,6 +78,24 @@ def gather_to_main(value: Any, group: Any = None) -> list[Any] | None:
     gathered: list[Any] | None = [None] * world_size() if rank() == 0 else None
     dist.gather_object(value, gathered, dst=0, group=group)
     return gathered
+
+
+def signal_done(key: str) -> None:
+    """Mark ``key`` done in the default group's store (a thread may call it: no collective)."""
+    if world_size() > 1:
+        dist.distributed_c10d._get_default_store().set(key, b"1")
+
+
+def wait_done(key: str, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for another rank's ``signal_done(key)``; False when it did not come (that rank died,
+    or the store is gone). For a failed run's cleanup, where a collective could meet another rank's unrelated one."""
+    if world_size() == 1:
+        return True
+    try:
+        dist.distributed_c10d._get_default_store().wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception:  # a timeout, or the store's host is gone: the caller logs what it could not wait for
+        return False
+    return True
 
 
 def keep_last_barrier(group: Any) -> None:
