@@ -4,8 +4,8 @@ The jobs are ``async_ddp_jobs.py``'s: ``dist_jobs.py``'s AdamW run trained by th
 and True. Rank 0 writes in the background; every rank finds the checkpoints complete when train() returns; a run
 that crashed resumes in a fresh launch bit for bit; a rank 0 still writing when every rank fails finishes the write
 (the Trainer and a bare Engine: the other ranks wait for rank 0's word through the store); FSDP2's sharded
-checkpoints are those of a synchronous run. A hand-composed Engine with Distributed checks that the Checkpointing plugin itself makes the ranks
-meet after the last write.
+checkpoints are those of a synchronous run. A hand-composed Engine with Distributed checks that the Checkpointing
+plugin itself makes the ranks meet after the last write.
 """
 
 from __future__ import annotations

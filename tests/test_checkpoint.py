@@ -299,7 +299,6 @@ def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch
     engine = make_engine(tmp_path, max_steps=2, save_strategy=None)
     engine.fit()
     save_checkpoint(engine, tmp_path)
-    import trainbus.plugins.checkpoints.checkpoint as ck
 
     def no_rename(src: Any, dst: Any) -> None:
         raise OSError(errno.EIO, "I/O error")

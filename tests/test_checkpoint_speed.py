@@ -26,7 +26,6 @@ import pytest
 import torch
 import xxhash
 
-import trainbus.plugins.checkpoints.checkpoint as ck
 import trainbus.plugins.checkpoints.writing as writing
 from trainbus.engine import ConfigError, Engine
 from trainbus.plugins.checkpoints import io as cio

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from trainbus.engine import Engine
-from trainbus.plugins.checkpoints import writing as ckpt
 from trainbus.plugins.checkpoints import frozen
+from trainbus.plugins.checkpoints import writing as ckpt
 from trainbus.plugins.checkpoints.checkpoint import Checkpointing, resume
 from trainbus.plugins.checkpoints.verified import read_manifest
 from trainbus.plugins.checkpoints.weights import state_to_save
