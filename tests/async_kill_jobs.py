@@ -333,7 +333,7 @@ def _verifies(path: Path) -> bool:
 
 def phase_at(events: list[tuple[float, str]], when: float) -> str:
     """The writer's last event before ``when`` (its first word; 'idle' once the last write had rotated)."""
-    last = [what for t, what in events if t <= when and not what.startswith("step")] or ["idle"]
+    last = [what for t, what in events if t <= when and not what.startswith(("step", "waiting", "paused"))] or ["idle"]
     return "idle" if last[-1].startswith("rotated") else last[-1].split(" ")[0]
 
 

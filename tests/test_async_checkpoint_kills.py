@@ -152,7 +152,7 @@ def test_sigterm_while_a_save_waits_for_the_write_in_flight_stops_with_that_save
 
 TWICE = ("the stop checkpoint is written twice when the signal comes while its save waits for the write in flight: "
          "control.should_save, set again by the signal during that save, fires a second SAVE at the same step "
-         "(loop._finish_epoch); see /tmp/team/NOTES.md (kills)")
+         "(loop._finish_epoch); Checkpointing.write could wait for the whole checkpoint of this step instead")
 
 
 @pytest.mark.xfail(strict=True, reason=TWICE)
