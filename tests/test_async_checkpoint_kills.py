@@ -1,22 +1,20 @@
 """Kill tests of asynchronous checkpoints (#36 item 3): the ways a user gets hurt while a background write runs.
 
-- SIGKILL during a background write (an Engine held in each phase of the write, at random moments, and a
-  Trainer): every ``checkpoint-N`` left is complete and byte-equal to an uninterrupted run's, no published
-  checkpoint is lost, ``resume from True`` takes the newest complete one and ends bit-exact, leftovers are tidied
-  (``tests/async_kill_jobs.py`` runs the child processes; ``benchmarks/async_kill_trials.py`` runs many trials);
-- SIGTERM during a background write: the stop checkpoint waits for it, is complete and resumes bit-exact;
-- a full disk during a background write: the error reaches the user at the next step (or ends the run), nothing
-  written before is lost, nothing half-written is left, the best checkpoint is not the failed one;
-- saves back to back: at most one write in flight, the wait logged, every checkpoint what a synchronous save writes;
-- a save as training ends: on disk when fit() returns, and the best model loaded from it.
+SIGKILL in each phase of a write, at random moments, twice, of an Engine and a Trainer (every checkpoint-N left
+complete and equal to an uninterrupted run's, none published lost, the resume from True takes the newest and ends
+bit-exact, leftovers tidied; child processes: tests/async_kill_jobs.py, many trials: benchmarks/async_kill_trials.py);
+SIGTERM during a write (the stop checkpoint waits for it); a full disk at each phase of a write (the error at the
+next step or the end, nothing lost or left, the best not the failed one); saves back to back (one write in flight,
+the wait logged, the bytes of synchronous saves); a save as training ends (on disk at fit's return, best loaded).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
+import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import torch
 
 from tests import async_kill_jobs as jobs
 from tests.facade_helpers import Regressor, quiet_args, regression_data
-from trainbus.engine import Engine, Event, Plugin, Priority
+from trainbus.engine import Engine, Event, Priority
 from trainbus.plugins import Trainer
 from trainbus.plugins.checkpoints import io as cio
 from trainbus.plugins.checkpoints import verified, writing
@@ -48,14 +46,8 @@ RESUMED = {phase: 0 if i >= 3 else -jobs.SAVE_STEPS for i, phase in enumerate(PH
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The uninterrupted synchronous run of each kind (made once, when a test first needs it)."""
-    root, made = tmp_path_factory.mktemp("reference"), {}
-
-    def get(kind: str) -> jobs.Reference:
-        if kind not in made:
-            made[kind] = jobs.reference(kind, root / kind)
-        return made[kind]
-
-    return get
+    root = tmp_path_factory.mktemp("reference")
+    return functools.cache(lambda kind: jobs.reference(kind, root / kind))
 
 
 def writes(events: list[tuple[float, str]]) -> list[tuple[int, float, float]]:
@@ -116,6 +108,26 @@ def stop_saves(record: dict[str, Any]) -> tuple[int, list[tuple[int, float, floa
     jobs.check_trial(record)
     assert record["resumed_from"] == str(Path(record["output_dir"]) / f"checkpoint-{stop}")
     return stop, spans
+
+
+def test_a_run_killed_again_during_its_resume_still_ends_bit_exact(tmp_path: Path, refs: Any) -> None:
+    """Killed between tensor files of checkpoint-9, resumed from 6, killed again with checkpoint-15's manifest
+    written (its .tmp is put back), resumed from 15: the first run's leftovers were tidied by the second."""
+    ref, out = refs("engine"), tmp_path / "run"
+    for n, (step, phase) in enumerate([(9, "between tensor files"), (15, "manifest written, not synced")]):
+        events = tmp_path / f"events-{n}"
+        process = jobs.launch(kind="engine", out=out, events=events, result=tmp_path / "r.json", slow=jobs.SLOW,
+                              pace=jobs.PACE, hold=[step, jobs.PHASES[phase], 3600], resume=n > 0)  # fmt: skip
+        jobs.wait_for(events, "holding ", process)
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(jobs.TIMEOUT)
+        assert process.exitcode == -signal.SIGKILL, jobs.output(events)
+        left = jobs.inspect_after_kill(out, ref)
+        assert left["leftovers"] == [f"checkpoint-{step}.tmp-{process.pid}"], left  # only this run's
+    assert left["steps"] == [9, 12, 15]
+    result = jobs.run_to_end(kind="engine", out=out, events=tmp_path / "end", result=tmp_path / "r.json", resume=True)
+    assert result["resumed_from"] == str(out / "checkpoint-15") and result["digest"] == ref.digest
+    assert jobs.inspect_after_kill(out, ref) == {"steps": [21, 24], "leftovers": []}
 
 
 @pytest.mark.parametrize("kind", ["engine", "trainer"])
@@ -190,19 +202,29 @@ def small_engine(out: Path, *plugins: Any, max_steps: int = 8, **checkpointing: 
                   plugins=[Checkpointing(out, **options), *plugins])  # fmt: skip
 
 
-def slow_writes(monkeypatch: pytest.MonkeyPatch, seconds: float, full_disk_at: str | None = None) -> None:
-    """Each tensor file of a checkpoint written ``seconds`` late; in ``full_disk_at``'s write, the first file
-    is left half written and fails with ENOSPC, as on a full disk."""
-    original = cio.write_tensors
+#: where a write can meet a full disk: the module attribute the writer calls there
+FAULTS = {"tensor file": (cio, "write_tensors"), "manifest": (cio, "write_manifest"), "fsync": (cio, "sync_files"),
+          "rename": (writing, "publish_directory")}  # fmt: skip
 
-    def write(path: Path, tensors: Any) -> Any:
-        time.sleep(seconds)
-        if full_disk_at is not None and path.parent.name.startswith(f"{full_disk_at}.tmp-"):
-            path.write_bytes(b"\0" * 64)
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return original(path, tensors)
 
-    monkeypatch.setattr(cio, "write_tensors", write)
+def slow_writes(monkeypatch: pytest.MonkeyPatch, seconds: float, full_disk_at: str = "", where: str = "") -> None:
+    """Each tensor file written ``seconds`` late; the write of checkpoint ``full_disk_at`` fails with ENOSPC at
+    ``where`` (a tensor file is left half written first), as on a full disk."""
+
+    def patched(place: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(seconds if place == "tensor file" else 0)
+            if place == where and f"{full_disk_at}.tmp-" in str(args[0]):
+                if place == "tensor file":
+                    args[0].write_bytes(b"\0" * 64)
+                raise OSError(errno.ENOSPC, "No space left on device", str(args[0]))
+            return original(*args, **kwargs)
+
+        return call
+
+    for place in {"tensor file", where} - {""}:
+        module, name = FAULTS[place]
+        monkeypatch.setattr(module, name, patched(place, getattr(module, name)))
 
 
 def every_save_is_the_best(ev: Any) -> None:
@@ -216,13 +238,14 @@ def leftovers(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if LEFTOVER.match(p.name))
 
 
+@pytest.mark.parametrize("where", list(FAULTS))
 def test_a_full_disk_in_a_background_write_raises_at_the_next_step_and_loses_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     out = tmp_path / "run"
     whole = small_engine(tmp_path / "whole")
     whole.fit()
-    slow_writes(monkeypatch, 0.0, full_disk_at="checkpoint-4")
+    slow_writes(monkeypatch, 0.0, "checkpoint-4", where)
     engine = small_engine(out, save_total_limit=2)
     engine.on(Event.STEP_END, every_save_is_the_best, priority=Priority.PRODUCER)
     writer = engine.get_plugin(Checkpointing).writer  # type: ignore[union-attr]
@@ -244,7 +267,7 @@ def test_a_full_disk_in_a_background_write_raises_at_the_next_step_and_loses_not
 
 def test_a_full_disk_at_the_last_save_ends_fit_with_the_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing catches it: fit() ends with the error (the end of training waits for the write); 4 and 6 intact."""
-    slow_writes(monkeypatch, 0.02, full_disk_at="checkpoint-8")
+    slow_writes(monkeypatch, 0.02, "checkpoint-8", "tensor file")
     engine = small_engine(tmp_path, save_total_limit=2)
     engine.on(Event.STEP_END, every_save_is_the_best, priority=Priority.PRODUCER)
     with pytest.raises(CheckpointWriteError, match="checkpoint-8"):
@@ -259,7 +282,7 @@ def test_a_full_disk_at_the_last_save_ends_fit_with_the_error(tmp_path: Path, mo
 def test_a_full_disk_in_a_trainers_background_write_ends_train_with_the_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    slow_writes(monkeypatch, 0.0, full_disk_at="checkpoint-4")
+    slow_writes(monkeypatch, 0.0, "checkpoint-4", "fsync")
     args = quiet_args(tmp_path, max_steps=8, save_strategy="steps", save_steps=2, save_async=True, learning_rate=0.05)
     trainer = Trainer(Regressor(), args, train_dataset=regression_data(32))
     with pytest.raises(CheckpointWriteError, match="checkpoint-4"):
@@ -269,27 +292,20 @@ def test_a_full_disk_in_a_trainers_background_write_ends_train_with_the_error(
     assert [step for step, _ in list_checkpoints(tmp_path)] == [2] and leftovers(tmp_path) == []
 
 
-class CountWrites:
-    """How many ``PendingCheckpoint.write`` calls run at once (at most), and their spans."""
+def logged_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, str]]:
+    """``start N`` / ``end N`` events around every ``PendingCheckpoint.write``, from whichever thread runs it."""
+    events: list[tuple[float, str]] = []
+    original = writing.PendingCheckpoint.write
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.lock, self.now, self.most = threading.Lock(), 0, 0
-        self.spans: list[tuple[str, float, float]] = []
-        original = writing.PendingCheckpoint.write
+    def write(pending: Any) -> Path:
+        events.append((time.monotonic(), f"start {(step := pending.final.name.split('-')[-1])}"))
+        try:
+            return original(pending)
+        finally:
+            events.append((time.monotonic(), f"end {step}"))
 
-        def write(pending: Any) -> Path:
-            with self.lock:
-                self.now += 1
-                self.most = max(self.most, self.now)
-            started = time.monotonic()
-            try:
-                return original(pending)
-            finally:
-                with self.lock:
-                    self.now -= 1
-                    self.spans.append((pending.final.name, started, time.monotonic()))
-
-        monkeypatch.setattr(writing.PendingCheckpoint, "write", write)
+    monkeypatch.setattr(writing.PendingCheckpoint, "write", write)
+    return events
 
 
 def test_saves_back_to_back_wait_one_write_at_a_time_and_write_what_a_synchronous_save_writes(
@@ -298,12 +314,11 @@ def test_saves_back_to_back_wait_one_write_at_a_time_and_write_what_a_synchronou
     synchronous = small_engine(tmp_path / "sync", max_steps=6, save_steps=1, save_async=False)
     synchronous.fit()
     slow_writes(monkeypatch, 0.03)  # 4 tensor files: a write takes > 0.12 s, a step ~1 ms
-    counted = CountWrites(monkeypatch)
+    events = logged_writes(monkeypatch)
     engine = small_engine(tmp_path / "async", max_steps=6, save_steps=1)
     with caplog.at_level(logging.INFO, logger="trainbus.checkpoint"):
         engine.fit()
-    assert counted.most == 1 and len(counted.spans) == 6
-    assert all(a[2] <= b[1] for a, b in zip(counted.spans, counted.spans[1:]))  # each after the one before
+    assert [step for step, _, _ in writes(events)] == [1, 2, 3, 4, 5, 6]  # one at a time: none starts in another
     waits = [r for r in caplog.records if "for the background checkpoint write" in r.getMessage()]
     assert [r.getMessage().split(" waited")[0] for r in waits[:5]] == [f"the save at step {s}" for s in range(2, 7)]
     assert waits[0].levelno == logging.WARNING  # the first as a warning, the others as info (not one per step)
@@ -312,48 +327,35 @@ def test_saves_back_to_back_wait_one_write_at_a_time_and_write_what_a_synchronou
         theirs = tmp_path / "sync" / path.name  # the host buffers were never reused under a write in flight
         for file in sorted(path.glob("*.safetensors")):
             assert file.read_bytes() == (theirs / file.name).read_bytes(), (step, file.name)
-    assert [s for s, _ in list_checkpoints(tmp_path / "async")] == [1, 2, 3, 4, 5, 6]
     assert jobs.digest(engine.model, engine.optimizer) == jobs.digest(synchronous.model, synchronous.optimizer)
 
 
-class PickLast(Plugin):
-    """Evaluates at every step and declares the last step the best (a BestMetric stand-in)."""
-
-    priority = Priority.PRODUCER
-
-    def attach(self, engine: Engine) -> None:
-        self.on(engine, Event.STEP_END, lambda ev: setattr(ev.engine.control, "should_evaluate", True))
-        self.on(engine, Event.EVAL_END, self.eval_end)
-
-    def eval_end(self, ev: Any) -> None:
-        state = ev.engine.state
-        ev.metrics["eval_loss"] = float(state.max_steps - state.global_step)
-        if state.global_step == state.max_steps:
-            state.best_global_step, state.best_metric = state.global_step, 0.0
+def zero_and_note(model: torch.nn.Module, best: str | None, complete: list[bool]) -> None:
+    """Before the best is loaded: note whether it is complete, zero the weights (after the run they are the
+    checkpoint's only if it was loaded)."""
+    complete.append(verified.is_complete(Path(best or "")))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
 
 
 class ZeroThenLoadBest(LoadBestModelAtEnd):
-    """Zeroes the weights before loading the best, and notes whether the best checkpoint was complete then: the
-    weights after fit() are the checkpoint's only if it was loaded."""
-
-    def __init__(self) -> None:
-        self.complete: list[bool] = []
+    complete: list[bool]
 
     def load_best(self, engine: Engine) -> Any:
-        self.complete.append(verified.is_complete(Path(engine.state.best_model_checkpoint or "")))
-        with torch.no_grad():
-            for p in engine.model.parameters():
-                p.zero_()
+        zero_and_note(engine.model, engine.state.best_model_checkpoint, self.complete)
         return super().load_best(engine)
 
 
-@pytest.mark.filterwarnings("ignore:ZeroThenLoadBest:UserWarning")  # PickLast stands in for BestMetric
+@pytest.mark.filterwarnings("ignore:ZeroThenLoadBest:UserWarning")  # no BestMetric: every_save_is_the_best
 def test_a_save_at_the_last_step_is_on_disk_when_fit_returns_and_the_best_model_is_loaded_from_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     slow_writes(monkeypatch, 0.05)
     loader = ZeroThenLoadBest()
-    engine = small_engine(tmp_path, PickLast(), loader, max_steps=4, best_metric_key="eval_loss")
+    loader.complete = []
+    engine = small_engine(tmp_path, loader, max_steps=4)
+    engine.on(Event.STEP_END, every_save_is_the_best, priority=Priority.PRODUCER)  # the last (4) is the best
     last: dict[str, torch.Tensor] = {}
     engine.on(Event.SAVE, lambda ev: last.update({k: v.clone() for k, v in ev.engine.model.state_dict().items()}))
     with caplog.at_level(logging.INFO, logger="trainbus.checkpoint"):
@@ -372,10 +374,7 @@ class ZeroThenLoadBestTrainer(Trainer):
     complete: list[bool]
 
     def _load_best_model(self) -> None:
-        self.complete.append(verified.is_complete(Path(self.state.best_model_checkpoint or "")))
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.zero_()
+        zero_and_note(self.model, self.state.best_model_checkpoint, self.complete)
         super()._load_best_model()
 
 
