@@ -356,13 +356,13 @@ def kill_trial(
 ) -> dict[str, Any]:
     """One trial: a signal during the background write of a seeded save T, at a seeded random moment after it
     started, or while the writer is held in ``phase`` for ``hold`` s (and, with ``training``, once the training
-    thread is paused in step T+1, "stepping", or waits for the write at its next save, "waiting"); what the run
+    thread is paused 1 s in step T+1, "stepping", or waits for the write at its next save, "waiting"); what the run
     left is checked, then it is resumed from True to the end and compared with the uninterrupted run."""
     rng, out, events = random.Random(seed), work / "run", work / "events"
     work.mkdir(parents=True, exist_ok=True)
     target = SAVE_STEPS * rng.randint(3, MAX_STEPS // SAVE_STEPS - 1)  # 9..21: rotation has one to delete
     delay = rng.uniform(0, 12 * SLOW) if phase is None else 0.0
-    held, pause = None if phase is None else [target, PHASES[phase], hold], [target + 1, 0.3]
+    held, pause = None if phase is None else [target, PHASES[phase], hold], [target + 1, 1.0]
     process = launch(kind=kind, out=out, events=events, result=work / "killed.json", slow=SLOW, pace=PACE, hold=held,
                      pause=pause if training == "stepping" else None)  # fmt: skip
     started = wait_for(events, f"start {target}", process)
