@@ -205,6 +205,7 @@ class Checkpointing(Plugin):
         self.claim = RunClaim(self.output_dir)  # the output_dir lock and which checkpoints are this run's
         self.save_async = save_async
         self._async = AsyncSaves(self.output_dir) if save_async else None  # the writer, its buffers, the waits
+        self._whole_step: int | None = None  # the step of this run's last whole (resumable) checkpoint
         self._sharded = ShardedSaves(self)  # FSDP2 / DeepSpeed: every rank writes its part (sharded_async.py)
 
     def schedules(self) -> set[str]:
@@ -269,10 +270,12 @@ class Checkpointing(Plugin):
     def _claim_run(self, ev: TrainStartEvent) -> None:
         if self._async is not None:
             self._async.training = True  # saves go to the background until TRAIN_END waits for them
+        self._whole_step = None
         if self.claim.start(ev.engine):
             self._written = []  # a new run: the checkpoints it writes are its own
 
     def _release_lock(self, ev: Payload) -> None:
+        self._whole_step = None  # a save after fit() (a direct _save_checkpoint) writes again
         self.claim.release()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -305,6 +308,9 @@ class Checkpointing(Plugin):
         unless ``wait`` or the save is a stop's (Preemption's: whole and on disk before the process ends)."""
         if self._async is not None:
             self._async.wait(engine, why=f"the save at step {engine.state.global_step}", expected=False)
+        if self._whole_step == engine.state.global_step:  # this step's whole checkpoint is taken already: a signal
+            self.resumable_next = False  # came while it was written and asked again (Preemption's stop save)
+            return
         rng_states = gather_to_main(checkpoint_rng_state(engine))  # every rank's, on rank 0 (all ranks call it)
         final = self.output_dir / f"{PREFIX}{engine.state.global_step}"
         main = rank() == 0 and engine.state.is_world_process_zero
@@ -336,6 +342,7 @@ class Checkpointing(Plugin):
                 if engine.state.best_global_step == engine.state.global_step:
                     engine.state.best_model_checkpoint = str(final)
                 self._published(engine.state.best_model_checkpoint, final, main)
+            self._whole_step = None if model_only else engine.state.global_step
         finally:
             if not background:
                 barrier()  # no rank reads (resume, best model) before the checkpoint is complete
