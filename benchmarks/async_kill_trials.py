@@ -51,7 +51,9 @@ def outcome(record: dict[str, Any]) -> dict[str, bool]:
         "kept": newest is not None and newest >= record["published"],
         "newest": newest is not None and str(record["resumed_from"]).endswith(f"checkpoint-{newest}"),
         "bit-exact": record["bit_exact"],
-        "tidied": after["leftovers"] == [] and after["steps"] == [jobs.MAX_STEPS - jobs.SAVE_STEPS, jobs.MAX_STEPS],
+        # rotation keeps two: the last two saves, or a stop's checkpoint after the last scheduled one (23) and 24
+        "tidied": after["leftovers"] == [] and len(after["steps"]) == 2 and after["steps"][-1] == jobs.MAX_STEPS
+        and after["steps"][0] >= jobs.MAX_STEPS - jobs.SAVE_STEPS,
         "stop twice": stop and len(spans) != len(set(spans)),
     }
 
