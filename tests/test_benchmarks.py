@@ -66,3 +66,25 @@ def test_bytecode_count_grows_with_the_work_traced() -> None:
 
     one, two, three = (bytecodes(lambda n=n: loop(n)) for n in (10, 20, 30))
     assert two - one == three - two > 0
+
+
+def test_async_checkpoint_benchmark_times_what_its_rows_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/checkpoint_async.py --quick: the sync run writes on the training thread with no host copy,
+    the async runs copy into host buffers and every write runs on the writer thread; every measured save
+    is counted, and the writer's niceness is put back."""
+    from benchmarks import checkpoint_async
+    from trainbus.plugins.checkpoints import background
+
+    niceness = background.WRITER_NICENESS
+    figures = checkpoint_async.main(["--quick", "--rounds", "1", "--saves", "2", "--niceness", "10,0"])
+    assert niceness == background.WRITER_NICENESS
+    sync = figures[checkpoint_async.SYNC]
+    asyncs = [f for name, f in figures.items() if name.startswith("async")]
+    assert len(asyncs) == 2
+    # 4 saves per run: the warm-up one, 2 measured, the last step's
+    assert sync.writes == 4 and sync.off_main == 0 and sync.buffer_bytes == 0 and len(sync.stalls) == 2
+    for f in asyncs:
+        assert f.writes == f.off_main == 4 and f.buffer_bytes > 0 and len(f.stalls) == len(f.write_s) == 2
+        assert all(copy > 0 for copy in f.copy)
+    out = capsys.readouterr().out
+    assert "async save (writer nice 0)" in out and "sync save" in out
