@@ -8,6 +8,7 @@ around it (the extra bytecodes). They do not say how long that Python takes in c
 from __future__ import annotations
 
 import collections
+import gc
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -52,12 +53,16 @@ def bytecodes(run: Callable[[], None]) -> int:
             count += 1
         return trace
 
-    previous = sys.gettrace()
+    previous, collecting = sys.gettrace(), gc.isenabled()
+    gc.collect()  # a collection inside the trace would count finalizers' bytecodes (earlier tests' garbage) as run's
+    gc.disable()
     sys.settrace(trace)
     try:
         run()
     finally:
         sys.settrace(previous)
+        if collecting:
+            gc.enable()
     return count
 
 
