@@ -206,6 +206,7 @@ class Checkpointing(Plugin):
         self.save_async = save_async
         self._async = AsyncSaves(self.output_dir) if save_async else None  # the writer, its buffers, the waits
         self._whole_step: int | None = None  # the step of this run's last whole (resumable) checkpoint
+        self._stop_step: int | None = None  # the step of the stop's save (Preemption's), written synchronously
         self._sharded = ShardedSaves(self)  # FSDP2 / DeepSpeed: every rank writes its part (sharded_async.py)
 
     def schedules(self) -> set[str]:
@@ -308,14 +309,16 @@ class Checkpointing(Plugin):
         unless ``wait`` or the save is a stop's (Preemption's: whole and on disk before the process ends)."""
         if self._async is not None:
             self._async.wait(engine, why=f"the save at step {engine.state.global_step}", expected=False)
-        if self._whole_step == engine.state.global_step:  # this step's whole checkpoint is taken already: a signal
-            self.resumable_next = False  # came while it was written and asked again (Preemption's stop save)
-            return
+        step = engine.state.global_step
+        if self._whole_step == step and (self.resumable_next or self._stop_step == step):
+            self.resumable_next = False  # a stop's save of a step whose whole checkpoint is taken: a signal came while
+            return  # it was written and asked again (a save after a new best, at the same step, is written again)
         rng_states = gather_to_main(checkpoint_rng_state(engine))  # every rank's, on rank 0 (all ranks call it)
         final = self.output_dir / f"{PREFIX}{engine.state.global_step}"
         main = rank() == 0 and engine.state.is_world_process_zero
         model_only = self.save_only_model and not self.resumable_next  # a stop's checkpoint is resumed from
         background = self._async is not None and self._async.training and not (wait or self.resumable_next)
+        self._stop_step = step if self.resumable_next else None
         self.resumable_next = False  # taken before writing: a signal during this save asks for the next one
         info: dict[str, Any] = {}
         if self.best_metric_key is not None:
