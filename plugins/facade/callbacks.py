@@ -179,7 +179,9 @@ class CallbackAdapter(CallbackHandlerMethods, Plugin):
         )
         for event, name, priority in simple:
             self.on(engine, event, self._caller(name), priority=priority)
-        self.on(engine, Event.SAVE, self.save, priority=Priority.CONSUMER.after("Checkpointing"))
+        on_save = lambda ev: self.save(ev)  # noqa: E731  # named as the other callers: CallbackAdapter.on_save
+        on_save.__name__ = "on_save"
+        self.on(engine, Event.SAVE, on_save, priority=Priority.CONSUMER.after("Checkpointing"))
         self.on(engine, Event.LOG, self.log, priority=Priority.CONSUMER)
         self.on(engine, Event.EVAL_START, self.eval_start)
         # after the eval metrics are logged (DEFAULT) and before a best-metric keeper updates the state
