@@ -41,15 +41,18 @@ class AsyncSaves:
         self.training = False  # between TRAIN_START and TRAIN_END: only then is a save written in the background
         self._barrier_due = False  # a background save since the last wait: every rank meets once it is written
         self._awaited: str | None = None  # a rank that does not write: the store key of rank 0's write in flight
+        self._saves = 0  # background saves so far, the same count on every rank (a step may be saved twice)
 
     def submit(self, engine: Engine, pending: PendingCheckpoint, then: Callable[[Path], None]) -> None:
         """A writing rank: write ``pending`` in the background (rank 0 tells the others through the store)."""
+        self._saves += 1
         told = partial(signal_done, self._key(engine)) if world_size() > 1 else None
         self.writer.submit(pending, then, finally_=told)
         self._barrier_due = True
 
     def follow(self, engine: Engine) -> None:
         """A rank that does not write (DDP): rank 0 writes this save in the background."""
+        self._saves += 1
         self._awaited = self._key(engine)
         self._barrier_due = True
 
@@ -86,4 +89,4 @@ class AsyncSaves:
 
     def _key(self, engine: Engine) -> str:
         """The store key rank 0's writer sets when this save's write ended (the same on every rank)."""
-        return f"trainbus/checkpoint-written/{self.output_dir.absolute()}/{engine.state.global_step}"
+        return f"trainbus/checkpoint-written/{self.output_dir.absolute()}/{engine.state.global_step}/{self._saves}"
