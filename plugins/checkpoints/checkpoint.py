@@ -204,7 +204,8 @@ class Checkpointing(Plugin):
         self._written: list[Path] = []  # checkpoints this run wrote, oldest first (rotation order)
         self.claim = RunClaim(self.output_dir)  # the output_dir lock and which checkpoints are this run's
         self.save_async = save_async
-        self._async = AsyncSaves(self.output_dir) if save_async else None  # the writer, its buffers, the waits
+        # the writer, its buffers, the waits (async_saves.py)
+        self._async = AsyncSaves(self.output_dir, model_only=save_only_model) if save_async else None
         self._whole_step: int | None = None  # the step of this run's last whole (resumable) checkpoint
         self._stop_step: int | None = None  # the step of the stop's save (Preemption's), written synchronously
         self._sharded = ShardedSaves(self)  # FSDP2 / DeepSpeed: every rank writes its part (sharded_async.py)
@@ -374,7 +375,7 @@ class Checkpointing(Plugin):
 
     def _raise_write_error(self, ev: StepEndEvent) -> None:
         if self._async is not None:
-            self._async.raise_if_failed(ev.engine)
+            self._async.step_end(ev.engine)
 
     def _end_writes(self, ev: TrainEndEvent) -> None:
         """TRAIN_END, first: the write in flight ends before the best model is loaded, rotation keeps only the

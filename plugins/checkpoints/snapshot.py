@@ -59,6 +59,21 @@ class HostBuffers:
         buffer.copy_(source, non_blocking=source.device.type == "cuda")
         return buffer
 
+    def reserve(self, plan: list[tuple[str, torch.Size, torch.dtype, bool]]) -> None:
+        """Allocate and touch the buffers a save will use (``planned``), so that the first save only copies: run in a
+        thread while training goes on (allocation and page faults release the GIL), done before that save."""
+        for key, shape, dtype, pinned in plan:
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+                buffer = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+                buffer.zero_()  # the pages are faulted in here, not in the saving step's copy
+                self._buffers[key] = buffer
+
+    @staticmethod
+    def planned(prefix: str, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Size, torch.dtype, bool]]:
+        """The buffers ``take(prefix, tensors)`` would use: keys, shapes, dtypes, pinned (no tensor kept)."""
+        return [(f"{prefix}/{key}", t.shape, t.dtype, t.device.type == "cuda") for key, t in tensors.items()]
+
     def ready(self) -> None:
         """Wait until every copy enqueued since the last call has landed (the writer thread calls it)."""
         events, self._events = self._events, []

@@ -30,14 +30,14 @@ from trainbus.engine import ConfigError, Engine, State
 from . import codec, identity
 from . import io as cio
 from .directory import PREFIX, publish_directory
-from .frozen import BASE_MODEL_FILES, checkpoint_fingerprint
+from .frozen import BASE_MODEL_FILES, adapter_model, checkpoint_fingerprint, frozen_parameters
 from .history import TakenState, take_trainer_state, write_trainer_state
 from .model_part import ModelPart, added_files
 from .resuming import rng_file_stems
 from .sharded import saved_by_every_rank
 from .snapshot import HostBuffers
 
-__all__ = ["PendingCheckpoint", "take_checkpoint"]
+__all__ = ["PendingCheckpoint", "buffers_plan", "take_checkpoint"]
 
 
 @dataclass
@@ -128,6 +128,19 @@ def take_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PendingCheckpoint(tmp, final, part, weights, bundles, taken, manifest, previous_best, buffers)
+
+
+def buffers_plan(engine: Engine, *, optimizer: bool = True) -> list[tuple[str, torch.Size, torch.dtype, bool]]:
+    """The host buffers an asynchronous ``take_checkpoint`` of this engine will fill for its large parts (the weights
+    and, unless ``optimizer`` is False (save_only_model), the optimizer state, by the keys the take uses), for
+    ``HostBuffers.reserve`` before the first save. No fingerprint is hashed: only whether there is a frozen base."""
+    model = engine.model
+    frozen = {} if adapter_model(model) is not None and frozen_parameters(model) else None
+    name, weights = ModelPart(model, Path(), frozen).weights_to_write()
+    plan = HostBuffers.planned(f"weights/{name}", weights)
+    if optimizer and engine.optimizer is not None:
+        plan += HostBuffers.planned("optimizer", codec.split_tensors(engine.optimizer.state_dict(), "optimizer")[1])
+    return plan
 
 
 def _manifest_fields(global_step: int, world_size: int, frozen_base: Any, model_only: bool) -> dict[str, Any]:
