@@ -153,7 +153,8 @@ class Checkpointing(Plugin):
         save_async: the step that saves only copies the state into host buffers (pinned, for a GPU's
             tensors) and training goes on while a background thread writes, publishes and rotates
             (``background.py``): one write in flight, every promise of a synchronous save kept, the end of
-            training and a stop's checkpoint wait for it, a failed write raises at the next step.
+            training and a stop's checkpoint wait for it, a failed write raises at the next step. It holds one
+            host copy of the checkpoint's tensors from the run's first step to its end.
 
     Example:
         >>> import torch, tempfile
