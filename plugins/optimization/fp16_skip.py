@@ -171,7 +171,8 @@ class DeviceSkip:
 
     def load(self, pending: int) -> None:
         """A checkpoint's unaccounted skips: the counter starts from them, to be taken back at the next read."""
-        self.counter = torch.tensor(float(pending))
+        device = self.counter.device if self.counter is not None else None  # bound: stays on the optimizer's device
+        self.counter = torch.tensor(float(pending), device=device)
         self.reconciled = self.on_host = 0
 
 
