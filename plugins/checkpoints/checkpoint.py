@@ -68,7 +68,7 @@ from .rng import checkpoint_rng_state
 from .rotation import checkpoints_to_keep, delete_or_warn, rotate_checkpoints, same_path
 from .sharded import saved_by_every_rank
 from .sharded_async import ShardedSaves
-from .writing import PendingCheckpoint, take_checkpoint
+from .writing import PendingCheckpoint, claim_best, take_checkpoint
 
 logger = logging.getLogger("trainbus.checkpoint")
 
@@ -344,8 +344,7 @@ class Checkpointing(Plugin):
             else:  # rank 0 writes; the others record what it records
                 if self._async is not None and background:
                     self._async.follow(engine)
-                if engine.state.best_global_step == engine.state.global_step:
-                    engine.state.best_model_checkpoint = str(final)
+                claim_best(engine.state, final)
                 self._published(engine.state.best_model_checkpoint, final, main)
             self._whole_step = None if model_only else engine.state.global_step
         finally:

@@ -20,7 +20,6 @@ DeepSpeed ZeRO checkpoints are written by DeepSpeed's own engine and stay synchr
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,13 +31,12 @@ import torch
 from trainbus.engine import ConfigError, Engine, State
 
 from ..distributed.deepspeed import deepspeed_engine_of
-from ..distributed.processes import broadcast_from_main, gather_to_main, keep_last_barrier, rank
+from ..distributed.processes import gather_to_main, keep_last_barrier, rank
 from . import codec
 from . import io as cio
 from .history import TakenState, take_trainer_state
 from .sharded import _reshard, optimizer_stem
 from .sharded_save import (
-    _fresh_directory,
     _local_model_state,
     _local_optimizer_state,
     _on_main,
@@ -46,8 +44,10 @@ from .sharded_save import (
     save_sharded_checkpoint,
     shared_bundles,
     shared_fields,
+    start_sharded,
 )
 from .snapshot import HostBuffers
+from .writing import rollback_best
 from .zero import model_file
 
 logger = logging.getLogger("trainbus.checkpoint")
@@ -112,8 +112,7 @@ class PendingSharded:
         finish_sharded(self.tmp, self.final, gathered, *self.shared)
 
     def rollback(self, state: State) -> None:
-        if state.best_model_checkpoint == str(self.final):
-            state.best_model_checkpoint = self.previous_best
+        rollback_best(state, self.final, self.previous_best)
 
 
 def take_sharded_checkpoint(
@@ -128,15 +127,9 @@ def take_sharded_checkpoint(
     """Take this rank's part of ``checkpoint-{global_step}`` of an FSDP2 run; every rank must call it."""
     if engine.optimizer is None:
         raise ConfigError("save_checkpoint needs engine.optimizer: a checkpoint without it cannot resume")
-    state = engine.state
-    final = Path(output_dir) / f"checkpoint-{state.global_step}"
-    tmp = final.with_name(f"{final.name}.tmp-{broadcast_from_main(os.getpid())}")  # one directory for all ranks
-    previous_best = state.best_model_checkpoint
-    if state.best_global_step is not None and state.best_global_step == state.global_step:
-        state.best_model_checkpoint = str(final)
-    outcome = _on_main(lambda: _fresh_directory(tmp))
+    final, tmp, previous_best, outcome = start_sharded(engine, output_dir)
     if outcome is not None:
-        state.best_model_checkpoint = previous_best
+        rollback_best(engine.state, final, previous_best)
         raise RuntimeError(f"saving the sharded checkpoint {final} failed: {outcome}")
     pending = PendingSharded(tmp, final, rank(), {}, {}, None, None, previous_best, buffers)
     try:

@@ -26,6 +26,7 @@ from .directory import publish_directory
 from .final_model import save_model
 from .history import TakenState, write_trainer_state
 from .sharded import INDEX, INDEX_FORMAT, SHARDED, _is_dtensor, _reshard, _slice_of, optimizer_stem
+from .writing import claim_best, rollback_best
 from .zero import model_file, write_zero_files, zero_full_state
 
 __all__ = ["save_full_model", "save_sharded_checkpoint"]
@@ -85,14 +86,8 @@ def save_sharded_checkpoint(
     if engine.optimizer is None:
         raise ConfigError("save_checkpoint needs engine.optimizer: a checkpoint without it cannot resume")
     state = engine.state
-    root = Path(output_dir)
-    final = root / f"checkpoint-{state.global_step}"
-    tmp = root / f"{final.name}.tmp-{broadcast_from_main(os.getpid())}"  # one directory for all ranks
-    previous_best = state.best_model_checkpoint
-    if state.best_global_step is not None and state.best_global_step == state.global_step:
-        state.best_model_checkpoint = str(final)
+    final, tmp, previous_best, outcome = start_sharded(engine, output_dir)
     me = rank()
-    outcome = _on_main(lambda: _fresh_directory(tmp))
     written: Any = None
     if outcome is None:
         try:
@@ -107,9 +102,18 @@ def save_sharded_checkpoint(
                                    shared_bundles(engine, rngs, plugins=not model_only), engine.state)
         )  # fmt: skip
     if outcome is not None:
-        state.best_model_checkpoint = previous_best
+        rollback_best(state, final, previous_best)
         raise RuntimeError(f"saving the sharded checkpoint {final} failed: {outcome}")
     return final
+
+
+def start_sharded(engine: Engine, output_dir: str | Path) -> tuple[Path, Path, str | None, str | None]:
+    """Every rank, at the save: ``checkpoint-N``, the one temporary folder all ranks write into (made by rank 0),
+    the best checkpoint before this save (``writing.claim_best``), and rank 0's error making the folder (or None)."""
+    final = Path(output_dir) / f"checkpoint-{engine.state.global_step}"
+    tmp = final.with_name(f"{final.name}.tmp-{broadcast_from_main(os.getpid())}")  # one directory for all ranks
+    previous_best = claim_best(engine.state, final)
+    return final, tmp, previous_best, _on_main(lambda: _fresh_directory(tmp))
 
 
 def _on_main(step: Any, group: Any = None) -> str | None:

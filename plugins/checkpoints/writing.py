@@ -81,12 +81,26 @@ class PendingCheckpoint:
 
     def rollback(self, state: State) -> None:
         """The write failed: the best checkpoint is again the one before (if the take had made this one it)."""
-        if state.best_model_checkpoint == str(self.final):
-            state.best_model_checkpoint = self.previous_best
+        rollback_best(state, self.final, self.previous_best)
 
     def discard(self) -> None:
         """Never written (the take failed half way, or the writer was not started): remove the temporary folder."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def claim_best(state: State, final: Path) -> str | None:
+    """``final`` becomes the best checkpoint when this step is the best step (``state.best_global_step``, the
+    BestMetric plugin's); returns the best checkpoint before, for ``rollback_best``."""
+    previous = state.best_model_checkpoint
+    if state.best_global_step is not None and state.best_global_step == state.global_step:
+        state.best_model_checkpoint = str(final)
+    return previous
+
+
+def rollback_best(state: State, final: Path, previous: str | None) -> None:
+    """A save of ``final`` failed: the best checkpoint is again ``previous`` if ``claim_best`` had made it ``final``."""
+    if state.best_model_checkpoint == str(final):
+        state.best_model_checkpoint = previous
 
 
 def take_checkpoint(
@@ -109,10 +123,8 @@ def take_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{state.global_step}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    previous_best = state.best_model_checkpoint
     identity.run_id(state)  # the run's identity, in its state and its manifest (identity.py)
-    if state.best_global_step is not None and state.best_global_step == state.global_step:
-        state.best_model_checkpoint = str(final)
+    previous_best = claim_best(state, final)
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
