@@ -18,6 +18,7 @@ from facade_helpers import Regressor, quiet_args, regression_data
 from hypothesis import given
 from hypothesis import strategies as st
 from op_recorder import OpRecorder
+from test_precision import InjectOverflow as Overflow  # an infinite loss in the given (1-based) steps
 
 from trainbus.engine import ConfigError, Engine, Event, Plugin, Priority
 from trainbus.engine.testing import count_syncs, everything_but
@@ -45,20 +46,6 @@ def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-
-
-class Overflow(Plugin):
-    """An infinite loss in the given (1-based) windows, first micro-batch: the scaled gradients overflow."""
-
-    def __init__(self, steps: set[int]) -> None:
-        self.steps = steps
-
-    def attach(self, engine: Engine) -> None:
-        self.on(engine, Event.LOSS, self.poison, priority=Priority.CONSUMER)
-
-    def poison(self, ev: Any) -> None:
-        if ev.engine.state.global_step + 1 in self.steps and ev.micro_index == 0:
-            ev.loss = ev.loss * float("inf")
 
 
 def make_engine(
